@@ -1,0 +1,3 @@
+"""DualPipe and DualPipeV pipeline schedules for Megatron-Core."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,182 @@
+"""Schedule validator: completeness, placement, dependencies and deadlock freedom.
+
+:func:`replay` runs the op lists without time, each rank in its own order, and
+returns the order in which ops can complete; the simulator times that order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from .ir import B, F, Key, Op, Schedule, ScheduleError, W, halves
+
+# What a single op produces: ("F", key), ("B", key) or ("W", key).
+Event = tuple[str, Key]
+
+
+class ValidationError(ScheduleError):
+    """A schedule that breaks the contract; the message names the first offending op."""
+
+
+def _kind(half: F | B | W) -> str:
+    return type(half).__name__
+
+
+def needs(half: F | B | W, stages: int) -> list[Event]:
+    """The events a single op waits for (the contract's dependency rules)."""
+    key = half.key
+    if isinstance(half, F):
+        return [("F", Key(key.d, key.s - 1, key.m))] if key.s > 0 else []
+    if isinstance(half, B):
+        deps: list[Event] = [("F", key)]
+        if key.s < stages - 1:
+            deps.append(("B", Key(key.d, key.s + 1, key.m)))
+        return deps
+    return [("B", key)]
+
+
+def op_needs(op: Op, stages: int) -> list[Event]:
+    """Events an op waits for, less those it produces itself (an FB's own F)."""
+    own = {(_kind(h), h.key) for h in halves(op)}
+    return [e for h in halves(op) for e in needs(h, stages) if e not in own]
+
+
+def produces(op: Op) -> list[Event]:
+    return [(_kind(h), h.key) for h in halves(op)]
+
+
+def _where(sched: Schedule, rank: int, index: int) -> str:
+    return f"rank {rank} op #{index} {sched.ops[rank][index]}"
+
+
+def check_structure(sched: Schedule) -> None:
+    """Shape, placement, and exactly-once coverage of every (d, s, m)."""
+    if len(sched.ops) != sched.ranks:
+        raise ValidationError(f"ops has {len(sched.ops)} rank lists, expected {sched.ranks}")
+    if sched.directions < 1 or sched.microbatches % sched.directions:
+        raise ValidationError(
+            f"microbatches ({sched.microbatches}) must split evenly over "
+            f"{sched.directions} direction(s)"
+        )
+    per_dir = sched.microbatches_per_direction
+    owner: dict[tuple[int, int], tuple[int, int]] = {}
+    seen: Counter[Event] = Counter()
+    w_false: set[Key] = set()
+    for rank, index, op in sched.iter_ops():
+        for half in halves(op):
+            k = half.key
+            if not (0 <= k.d < sched.directions and 0 <= k.s < sched.stages and 0 <= k.m < per_dir):
+                raise ValidationError(f"{_where(sched, rank, index)}: key out of range")
+            ds = (k.d, k.s)
+            placed = sched.placement.get(ds)
+            if placed is not None and placed != rank:
+                raise ValidationError(
+                    f"{_where(sched, rank, index)}: stage (d={k.d},s={k.s}) is placed on "
+                    f"rank {placed} but this op runs on rank {rank}"
+                )
+            first = owner.setdefault(ds, (rank, index))
+            if first[0] != rank:
+                raise ValidationError(
+                    f"{_where(sched, rank, index)}: stage (d={k.d},s={k.s}) is on two ranks "
+                    f"(also {_where(sched, *first)})"
+                )
+            event = (_kind(half), k)
+            seen[event] += 1
+            if seen[event] > 1:
+                raise ValidationError(f"{_where(sched, rank, index)}: duplicate {half}")
+            if isinstance(half, B) and not half.w:
+                w_false.add(k)
+            if isinstance(half, W) and k not in w_false:
+                raise ValidationError(
+                    f"{_where(sched, rank, index)}: W without an earlier input-grad-only B "
+                    f"on this rank (its weight grad would be computed twice or never)"
+                )
+    for d in range(sched.directions):
+        for s in range(sched.stages):
+            for m in range(per_dir):
+                k = Key(d, s, m)
+                for kind in ("F", "B"):
+                    if not seen[(kind, k)]:
+                        raise ValidationError(f"missing {kind}{k}")
+                if k in w_false and not seen[("W", k)]:
+                    raise ValidationError(f"missing W{k} for B{k}[w=false]")
+
+
+def replay(sched: Schedule) -> list[tuple[int, int]]:
+    """Run the lists in dependency order; return (rank, index) in completion order.
+
+    Raises :class:`ValidationError` on a broken dependency (an op waiting for
+    something its own rank only does later, or never) or a cross-rank deadlock,
+    naming the wait-for cycle.
+    """
+    stages = sched.stages
+    where_made: dict[Event, tuple[int, int]] = {}
+    for rank, index, op in sched.iter_ops():
+        for event in produces(op):
+            where_made[event] = (rank, index)
+    for rank, index, op in sched.iter_ops():
+        for event in op_needs(op, stages):
+            made = where_made.get(event)
+            if made is None:
+                raise ValidationError(
+                    f"{_where(sched, rank, index)} needs {event[0]}{event[1]}, which no rank runs"
+                )
+            if made[0] == rank and made[1] >= index:
+                raise ValidationError(
+                    f"{_where(sched, rank, index)} breaks a dependency: it needs "
+                    f"{event[0]}{event[1]}, which its rank runs later (op #{made[1]})"
+                )
+
+    done: set[Event] = set()
+    cursor = [0] * sched.ranks
+    order: list[tuple[int, int]] = []
+    total = sum(len(ops) for ops in sched.ops)
+    while len(order) < total:
+        progressed = False
+        for rank in range(sched.ranks):
+            ops = sched.ops[rank]
+            while cursor[rank] < len(ops) and all(
+                e in done for e in op_needs(ops[cursor[rank]], stages)
+            ):
+                done.update(produces(ops[cursor[rank]]))
+                order.append((rank, cursor[rank]))
+                cursor[rank] += 1
+                progressed = True
+        if not progressed:
+            raise ValidationError(_deadlock_message(sched, cursor, done, where_made))
+    return order
+
+
+def _deadlock_message(
+    sched: Schedule,
+    cursor: list[int],
+    done: set[Event],
+    where_made: dict[Event, tuple[int, int]],
+) -> str:
+    waits: dict[int, tuple[Event, int]] = {}
+    for rank in range(sched.ranks):
+        if cursor[rank] < len(sched.ops[rank]):
+            op = sched.ops[rank][cursor[rank]]
+            missing = next(e for e in op_needs(op, sched.stages) if e not in done)
+            waits[rank] = (missing, where_made[missing][0])
+    start = min(waits)
+    path, rank = [], start
+    while rank not in path:
+        path.append(rank)
+        rank = waits[rank][1]
+    cycle = path[path.index(rank):]
+    steps = [
+        f"rank {r} at {_where(sched, r, cursor[r]).split(' ', 2)[2]} waits for "
+        f"{waits[r][0][0]}{waits[r][0][1]} on rank {waits[r][1]}"
+        for r in cycle
+    ]
+    first = cycle[0]
+    return (
+        f"deadlock at {_where(sched, first, cursor[first])}; wait-for cycle: "
+        + "; ".join(steps)
+    )
+
+
+def validate(sched: Schedule) -> list[tuple[int, int]]:
+    """Check everything; return the completion order from :func:`replay`."""
+    check_structure(sched)
+    return replay(sched)
