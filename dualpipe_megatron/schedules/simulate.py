@@ -49,6 +49,10 @@ class Costs:
             raise ScheduleError(f"p2p latency c must be >= 0, got {costs.c}")
         return costs
 
+    def scaled(self, factor: Fraction) -> "Costs":
+        """Compute costs times ``factor`` (a smaller stage), p2p latency unchanged."""
+        return Costs(self.F * factor, self.B * factor, self.W * factor, self.FB * factor, self.c)
+
     def duration(self, op: Op) -> Fraction:
         if isinstance(op, F):
             return self.F

@@ -1,0 +1,30 @@
+# One-command setup, tests, demo and benchmarks. Everything runs from .venv (Python 3.12).
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+# Reinstalls whenever the pinned requirements or the package metadata change.
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || { py=$$(scripts/find_python312.sh) && $$py -m venv $(VENV); }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) -m dualpipe_megatron.schedules compare --ranks 4 --microbatches 16 --W 0.8 --FB 2.5
+	@mkdir -p outputs
+	$(PY) -m dualpipe_megatron.schedules draw --schedule dualpipev --ranks 4 --microbatches 10 -o outputs/dualpipev_p4_m10.png
+
+bench: setup
+	$(PY) bench/bench_runtime.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .hypothesis
