@@ -19,7 +19,7 @@ test: setup
 	$(PY) -m pytest -q
 
 demo: setup
-	$(PY) -m dualpipe_megatron.schedules compare --ranks 4 --microbatches 16 --W 0.8 --FB 2.5
+	$(PY) -m dualpipe_megatron.schedules compare --ranks 4 --microbatches 20 --W 0.8 --FB 2.5 --c 0.1
 	@mkdir -p outputs
 	$(PY) -m dualpipe_megatron.schedules draw --schedule dualpipev --ranks 4 --microbatches 10 -o outputs/dualpipev_p4_m10.png
 

@@ -35,9 +35,8 @@ def needs(half: F | B | W, stages: int) -> list[Event]:
 
 
 def op_needs(op: Op, stages: int) -> list[Event]:
-    """Events an op waits for, less those it produces itself (an FB's own F)."""
-    own = {(_kind(h), h.key) for h in halves(op)}
-    return [e for h in halves(op) for e in needs(h, stages) if e not in own]
+    """Events an op waits for; an FB's halves run together, so neither may feed the other."""
+    return [e for h in halves(op) for e in needs(h, stages)]
 
 
 def produces(op: Op) -> list[Event]:

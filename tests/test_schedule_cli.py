@@ -1,0 +1,65 @@
+"""The schedule CLI: outputs, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dualpipe_megatron.schedules.cli import main
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dualpipe_megatron.schedules", *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["dump", "--schedule", "dualpipe", "-P", "3", "-M", "12"], "even number of ranks"),
+    (["dump", "--schedule", "dualpipev", "-P", "4", "-M", "7"], "microbatches >= 2*ranks (8)"),
+    (["dump", "--schedule", "zigzag", "-P", "4", "-M", "8"], "unknown schedule 'zigzag'"),
+    (["simulate", "--schedule", "1f1b", "-P", "4", "-M", "8", "--F", "0"], "cost F must be positive"),
+    (["simulate", "--schedule", "1f1b", "-P", "4", "-M", "8", "--W", "x"], "bad cost value"),
+    (["compare", "-P", "0", "-M", "8"], "expected a positive integer"),
+    (["draw", "--schedule", "1f1b", "-P", "2", "-M", "4", "-o", "x.pdf"], "use a .png or .svg"),
+    ([], "required: command"),
+])
+def test_bad_input_is_one_line_and_status_2(argv: list[str], fragment: str) -> None:
+    proc = run(*argv)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
+    assert fragment in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_for_each_subcommand() -> None:
+    for sub in ("dump", "simulate", "compare", "draw"):
+        proc = run(sub, "--help")
+        assert proc.returncode == 0 and "--ranks" in proc.stdout
+
+
+def test_simulate_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--schedule", "dualpipev", "-P", "4", "-M", "10", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["max_bubble"] == "6" and doc["peak_activations"] == 9 and doc["devices"] == 4
+    assert main(["simulate", "--schedule", "1f1b", "-P", "2", "-M", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "max bubble=3" in out and "| rank |" in out
+
+
+def test_compare_lists_every_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "-P", "4", "-M", "16", "--W", "0.8", "--FB", "2.5"]) == 0
+    out = capsys.readouterr().out
+    for name in ("1f1b", "interleaved", "zb1p", "dualpipe", "dualpipev"):
+        assert f"| {name} |" in out
+    assert main(["compare", "-P", "4", "-M", "10"]) == 0
+    assert "n/a: interleaved" in capsys.readouterr().out
+
+
+def test_draw_writes_png(tmp_path: Path) -> None:
+    out = tmp_path / "v.png"
+    proc = run("draw", "--schedule", "dualpipev", "-P", "4", "-M", "10", "--timed", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
