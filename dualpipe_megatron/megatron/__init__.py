@@ -1,0 +1,1 @@
+"""Megatron-Core adapter: guarded patches of Megatron symbols, CPU compatibility layer."""

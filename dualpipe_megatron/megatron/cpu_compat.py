@@ -1,0 +1,380 @@
+"""Runtime patches that let Megatron-Core 0.19 run on CPU with the gloo backend.
+
+Megatron assumes CUDA everywhere (current device, streams, CUDA RNG, `device="cuda"`
+literals, CUDA type strings). Without a GPU we replace exactly those symbols, at module
+level, in this process only (patches do not survive `spawn`: call this in every rank before
+building models). See `shared/design/megatron_cpu.md` for why each group exists.
+
+Groups can be switched off for diagnosis with ``DUALPIPE_CPU_COMPAT_DISABLE=rng,streams``
+(or ``all``) or by passing `groups`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from dualpipe_megatron.megatron.guard import check_version, patch_attr, restore_all
+
+DISABLE_ENV = "DUALPIPE_CPU_COMPAT_DISABLE"
+CPU = torch.device("cpu")
+
+_installed: list[str] = []
+
+
+# --- device -------------------------------------------------------------------------------
+
+
+def _install_device() -> None:
+    """`torch.cuda.current_device()` is used as a tensor device throughout Megatron."""
+    patch_attr(torch.cuda, "current_device", lambda: CPU, [])
+    patch_attr(torch.cuda, "set_device", lambda device: None, ["device"])
+    patch_attr(torch.cuda, "synchronize", lambda device=None: None, ["device"])
+
+
+# --- streams ------------------------------------------------------------------------------
+
+
+class HostEvent:
+    """Stand-in for `torch.cuda.Event`: CPU work is already ordered, so events are complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+
+class HostStream:
+    """Stand-in for `torch.cuda.Stream` (MoE dispatcher side stream, DDP grad sync)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: HostEvent | None = None) -> HostEvent:
+        return event if event is not None else HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = HostStream()
+
+
+def _install_streams() -> None:
+    patch_attr(torch.cuda, "Stream", HostStream)
+    patch_attr(torch.cuda, "Event", HostEvent)
+    patch_attr(torch.cuda, "current_stream", lambda device=None: _HOST_STREAM, ["device"])
+    patch_attr(torch.cuda, "default_stream", lambda device=None: _HOST_STREAM, ["device"])
+    patch_attr(torch.cuda, "stream", lambda stream: contextlib.nullcontext(), ["stream"])
+    patch_attr(torch.cuda, "is_current_stream_capturing", lambda: False, [])
+    patch_attr(torch.Tensor, "record_stream", lambda self, stream: None)
+
+
+# --- rng ----------------------------------------------------------------------------------
+
+
+class _DropForkWarning(logging.Filter):
+    """On CPU the "CUDA" generator is the CPU generator, so Megatron's warning that CPU RNG
+    state changed inside a tracker fork would fire on every dropout; drop that message only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_FORK_WARNING_FILTER = _DropForkWarning()
+_RANDOM_MODULE = "megatron.core.tensor_parallel.random"
+
+
+def _install_rng() -> None:
+    """Route the "CUDA" generator to the CPU default generator, which CPU ops actually use.
+
+    `manual_seed_all` stays: `torch.manual_seed` calls it. Megatron's private helpers must be
+    replaced too, or every RNG-tracker fork silently does nothing and queues lazy CUDA calls.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    patch_attr(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state(), ["device"])
+    patch_attr(
+        torch.cuda,
+        "set_rng_state",
+        lambda new_state, device="cuda": torch.set_rng_state(new_state),
+        ["new_state", "device"],
+    )
+    patch_attr(
+        torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(seed), ["seed"]
+    )
+    patch_attr(
+        mrandom,
+        "_get_cuda_rng_state",
+        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(),
+        ["device", "clone", "graph_safe"],
+    )
+    patch_attr(
+        mrandom,
+        "_set_cuda_rng_state",
+        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state),
+        ["new_state", "device", "graph_safe"],
+    )
+    logging.getLogger(_RANDOM_MODULE).addFilter(_FORK_WARNING_FILTER)
+
+
+# --- tensor factories ---------------------------------------------------------------------
+
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "linspace", "eye",
+    "rand", "randn", "randint", "randperm", "empty_strided",
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+)  # fmt: skip
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+
+
+def _host(device: Any) -> Any:
+    """Map any CUDA device spec (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda")``, an
+    ordinal) to the CPU; leave everything else alone."""
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return CPU
+    if isinstance(device, str) and device.startswith("cuda"):
+        return CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return CPU
+    return device
+
+
+def _with_host_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _host(kwargs["device"])
+        if kwargs.get("pin_memory"):  # pinning needs a CUDA driver
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _install_factories() -> None:
+    """Megatron writes `device="cuda"` literally (schedules, masks, clip_grads, optimizers)."""
+    for name in _FACTORIES:
+        patch_attr(torch, name, _with_host_device(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        patch_attr(torch.Tensor, name, _with_host_device(getattr(torch.Tensor, name)))
+
+    tensor_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and not isinstance(args[0], (torch.dtype, torch.Tensor)):
+            args = (_host(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = _host(kwargs["device"])
+        return tensor_to(self, *args, **kwargs)
+
+    patch_attr(torch.Tensor, "to", to)
+    patch_attr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    patch_attr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
+
+
+# --- type strings -------------------------------------------------------------------------
+
+
+def _install_type_strings() -> None:
+    """`clip_grads` asserts, and the fp16/distributed optimizers group params by, CUDA type
+    names (`'torch.cuda.FloatTensor'`): report CPU tensors under those names."""
+    tensor_type = torch.Tensor.type
+
+    def type_(self: torch.Tensor, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if dtype is None and not args and not kwargs and self.device.type == "cpu":
+            return tensor_type(self).replace("torch.", "torch.cuda.", 1)
+        return tensor_type(self, dtype, *args, **kwargs)
+
+    patch_attr(torch.Tensor, "type", type_)
+
+
+# --- all_to_all ---------------------------------------------------------------------------
+
+
+def _as_list(sizes: Any) -> Any:
+    return sizes.tolist() if hasattr(sizes, "tolist") else sizes
+
+
+def _install_all_to_all() -> None:
+    """The MoE alltoall dispatcher keeps split sizes as (CPU) tensors; gloo needs lists."""
+    a2a = torch.distributed.all_to_all_single
+
+    def all_to_all_single(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Any = None,
+        input_split_sizes: Any = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        return a2a(output, input, _as_list(output_split_sizes), _as_list(input_split_sizes),
+                   *args, **kwargs)  # fmt: skip
+
+    patch_attr(
+        torch.distributed,
+        "all_to_all_single",
+        all_to_all_single,
+        ["output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"],
+    )
+
+
+# --- compile ------------------------------------------------------------------------------
+
+
+def _install_compile() -> None:
+    """`jit_fuser` is `torch.compile`: on CPU that costs a C compiler and ~15 s of cold start."""
+    import torch._dynamo
+
+    patch_attr(torch._dynamo.config, "disable", True)
+
+
+# --- pretrain -----------------------------------------------------------------------------
+
+
+class _Unavailable(Exception):
+    """A group's target package cannot be imported; the group is skipped, not failed."""
+
+
+_initializing = 0
+
+
+def _install_pretrain() -> None:
+    """`megatron.training.pretrain()`: CUDA assert, GPU-count gated init, `make` at startup."""
+    try:
+        from megatron.core.datasets import utils as dataset_utils
+        from megatron.training import training
+    except ImportError as exc:
+        raise _Unavailable(f"megatron.training is not importable ({exc})") from exc
+
+    init = training.initialize_megatron
+    device_count = torch.cuda.device_count
+
+    @functools.wraps(init)
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        global _initializing
+        kwargs["allow_no_cuda"] = True
+        _initializing += 1
+        try:
+            return init(*args, **kwargs)
+        finally:
+            _initializing -= 1
+
+    def count_devices() -> int:
+        # With no device, initialization silently skips model-parallel init and RNG seeding;
+        # claim one only while it runs so nothing else believes a GPU exists.
+        return max(1, device_count()) if _initializing else device_count()
+
+    def compile_helpers() -> None:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")  # prebuilt in the wheel
+
+    patch_attr(training, "initialize_megatron", initialize_megatron, ["allow_no_cuda"])
+    patch_attr(torch.cuda, "device_count", count_devices, [])
+    patch_attr(dataset_utils, "compile_helpers", compile_helpers, [])
+
+
+GROUPS: dict[str, Callable[[], None]] = {
+    "device": _install_device,
+    "streams": _install_streams,
+    "rng": _install_rng,
+    "factories": _install_factories,
+    "type_strings": _install_type_strings,
+    "all_to_all": _install_all_to_all,
+    "compile": _install_compile,
+    "pretrain": _install_pretrain,
+}
+
+
+def _disabled_by_env() -> set[str]:
+    names = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    if "all" in names:
+        return set(GROUPS)
+    _check_names(names, DISABLE_ENV)
+    return names
+
+
+def _check_names(names: Iterable[str], where: str) -> None:
+    unknown = sorted(set(names) - set(GROUPS))
+    if unknown:
+        raise ValueError(f"unknown CPU-compat group(s) {unknown} in {where}; known: {list(GROUPS)}")
+
+
+def install_cpu_compat(groups: Iterable[str] | None = None, force: bool = False) -> list[str]:
+    """Install the CPU patch groups (all by default) when CUDA is absent, or always if `force`.
+
+    Idempotent: groups already installed are skipped. Returns the installed groups.
+    """
+    wanted = list(GROUPS) if groups is None else list(groups)
+    _check_names(wanted, "groups")
+    if torch.cuda.is_available() and not force:
+        return list(_installed)
+    check_version()
+    # Dynamo maps torch.cuda functions to tracing rules once, on import; let it see the
+    # originals (it rejects one replacement object appearing under two names).
+    importlib.import_module("torch._dynamo")
+    disabled = _disabled_by_env()
+    for name in GROUPS:
+        if name not in wanted or name in disabled or name in _installed:
+            continue
+        try:
+            GROUPS[name]()
+        except _Unavailable as exc:
+            warnings.warn(f"CPU-compat group {name!r} skipped: {exc}", stacklevel=2)
+            continue
+        _installed.append(name)
+    return list(_installed)
+
+
+def uninstall_cpu_compat() -> None:
+    """Restore every patched symbol (tests and diagnosis)."""
+    restore_all()
+    if "rng" in _installed:
+        logging.getLogger(_RANDOM_MODULE).removeFilter(_FORK_WARNING_FILTER)
+    _installed.clear()
+
+
+def installed_groups() -> list[str]:
+    return list(_installed)
+
+
+__all__ = [
+    "DISABLE_ENV",
+    "GROUPS",
+    "HostEvent",
+    "HostStream",
+    "install_cpu_compat",
+    "installed_groups",
+    "uninstall_cpu_compat",
+]

@@ -1,0 +1,344 @@
+"""Rank process for tests/test_megatron_cpu.py: Megatron's own schedules on CPU/gloo.
+
+Run as ``python tests/megatron_workers.py OUT_JSON`` with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set (world size 2). One launch runs every layout in turn (importing Megatron costs
+seconds per process), re-initialising model parallelism in between. Rank 0 writes
+``{check: {"ok": bool, "detail": str}}`` to OUT_JSON.
+
+Every layout starts from the same weights: each parameter is filled from a generator seeded
+by its *global* name (layer number and expert index made global), so a PP stage or an EP rank
+holds exactly the slice of the PP=1 / EP=1 model it owns.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
+
+VOCAB, SEQ, MBS, HIDDEN, HEADS = 64, 8, 2, 16, 2
+MICROBATCHES = 4
+MOE_TOLERANCE = 1e-7
+OPTIMIZER_TOLERANCE = 1e-7
+LR, CLIP = 1e-2, 0.1
+
+Result = tuple[list[torch.Tensor], dict[str, torch.Tensor]]  # (losses, grads by global name)
+Verdicts = dict[str, dict[str, object]]  # {check: {"ok": bool, "detail": str}}
+
+
+def _config(num_layers: int, pp: int, vpp: int | None, **moe: object):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        # Batched p2p between the same two ranks in both directions matches ops by posting
+        # order and swaps equal-shaped tensors at PP=2 with VPP (see megatron_cpu.md).
+        batch_p2p_comm=vpp is None,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        **moe,
+    )
+
+
+def _global_name(model: torch.nn.Module, name: str) -> str:
+    """Parameter name in the unsplit model: global layer number, global expert index."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+        if "local_experts" in parts:
+            i = parts.index("local_experts") + 1
+            parts[i] = str(layer.mlp.local_expert_indices[int(parts[i])])
+    return ".".join(parts)
+
+
+def _build(num_layers: int, pp: int, vpp: int | None, **moe: object) -> list[torch.nn.Module]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = _config(num_layers, pp, vpp, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"))
+    chunks = []
+    for vp in range(vpp or 1):
+        stage = vp if vpp else None
+        model = GPTModel(
+            config,
+            spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=False,
+            vp_stage=stage,
+        )
+        for name, param in model.named_parameters():
+            gname = _global_name(model, name)
+            gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+            value = 0.1 * torch.randn(param.shape, generator=gen)
+            param.data.copy_(value + 1.0 if name.endswith("norm.weight") else value)
+        chunks.append(model)
+    return chunks
+
+
+def _batches(seed: int, count: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
+        out.append(
+            {
+                "tokens": tokens[:, :-1],
+                "labels": tokens[:, 1:],
+                "position_ids": torch.arange(SEQ).expand(MBS, SEQ),
+            }
+        )
+    return out
+
+
+def _loss(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = output.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, _loss
+
+
+@contextmanager
+def _parallel(pp: int = 1, vpp: int | None = None, ep: int = 1) -> Iterator[None]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+    )
+    try:
+        model_parallel_cuda_manual_seed(1234)
+        yield
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _train_step(chunks: list[torch.nn.Module], data_seed: int) -> list[torch.Tensor]:
+    """Forward and backward of MICROBATCHES micro-batches with Megatron's schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batches = _batches(data_seed, MICROBATCHES)
+    forward_backward = get_forward_backward_func()  # after init: it reads the PP size
+    reports = forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=[iter(batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=MICROBATCHES,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+    )
+    return [r["lm loss"] for r in reports] if reports else []
+
+
+def _named(chunks: list[torch.nn.Module], attr: str) -> dict[str, torch.Tensor]:
+    """`param.<attr>` of every parameter, keyed by global name."""
+    return {
+        _global_name(m, n): getattr(p, attr).detach().clone()
+        for m in chunks
+        for n, p in m.named_parameters()
+    }
+
+
+def _run(
+    pp: int, vpp: int | None, ep: int, num_layers: int, data_seed: int, **moe: object
+) -> Result:
+    """One forward/backward of this layout: (losses, grads by global name)."""
+    with _parallel(pp, vpp, ep):
+        chunks = _build(num_layers, pp, vpp, **moe)
+        losses = _train_step(chunks, data_seed)
+        return losses, _named(chunks, "grad")
+
+
+def _max_diff(a: torch.Tensor | None, b: torch.Tensor) -> float:
+    if a is None or a.shape != b.shape:
+        return float("inf")
+    return 0.0 if torch.equal(a, b) else float((a - b).abs().max())
+
+
+def _verdict(name: str, ok: bool, detail: str) -> Verdicts:
+    """Combine every rank's verdict (collective: all ranks call it)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (ok, f"rank {dist.get_rank()}: {detail}"))
+    return {name: {"ok": all(g[0] for g in gathered), "detail": "; ".join(g[1] for g in gathered)}}
+
+
+def _check(name: str, ref: Result, got: Result, tolerance: float = 0.0) -> Verdicts:
+    """This rank's losses and grads against the reference (exact when tolerance is 0); the
+    ranks together must hold every reference parameter and the losses."""
+    (ref_losses, ref_grads), (losses, grads) = ref, got
+    loss_diff = max((_max_diff(a, b) for a, b in zip(ref_losses, losses)), default=0.0)
+    grad_diffs = {n: _max_diff(ref_grads.get(n), g) for n, g in grads.items()}
+    problems = [f"{n}: {d:.3g}" for n, d in grad_diffs.items() if d > tolerance]
+    if loss_diff > tolerance or len(losses) not in (0, len(ref_losses)):
+        problems.insert(0, f"losses: {loss_diff:.3g}")
+    if not any(g.any() for g in grads.values()):
+        problems.append("all grads are zero")
+    held: list = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (sorted(grads), len(losses)))
+    missing = set(ref_grads) - {n for names, _ in held for n in names}
+    if missing:
+        problems.append(f"parameters on no rank: {sorted(missing)[:4]}")
+    if not any(count for _, count in held):
+        problems.append("no rank reported losses")
+    detail = (
+        f"{len(losses)} losses (max diff {loss_diff:.3g}), {len(grads)} grads "
+        f"(max diff {max(grad_diffs.values(), default=0.0):.3g})"
+    )
+    if problems:
+        detail += "; mismatches " + ", ".join(problems[:8])
+    return _verdict(name, not problems, detail)
+
+
+def rng_checks() -> Verdicts:
+    """Megatron's RNG tracker must really switch generator state on CPU (dropout in TP regions
+    and expert init depend on it), not silently fork nothing."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    with _parallel():
+        tracker = get_cuda_rng_tracker()
+        torch.manual_seed(5)
+        plain = torch.rand(4)
+        torch.manual_seed(5)
+        with tracker.fork():
+            first = torch.rand(4)
+        outside = torch.rand(4)
+        with tracker.fork():
+            second = torch.rand(4)
+    ok = torch.equal(outside, plain) and not torch.equal(first, plain)
+    ok = ok and not torch.equal(first, second)
+    draws = f"first draws: plain {plain[0]:.4f}, forks {first[0]:.4f} and {second[0]:.4f}"
+    return _verdict("rng_fork", ok, draws)
+
+
+def dense_checks() -> Verdicts:
+    # PP=1 runs on both ranks (DP=2 without grad sync): each rank holds the full reference.
+    ref = _run(pp=1, vpp=None, ep=1, num_layers=4, data_seed=7)
+    results = _check("pp2_1f1b", ref, _run(pp=2, vpp=None, ep=1, num_layers=4, data_seed=7))
+    results |= _check("pp2_vpp2", ref, _run(pp=2, vpp=2, ep=1, num_layers=4, data_seed=7))
+    return results
+
+
+def moe_checks() -> Verdicts:
+    moe = dict(
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall",
+        moe_ffn_hidden_size=32,
+        moe_aux_loss_coeff=1e-2,
+        add_bias_linear=False,  # expert bias + probs hits an in-place-on-view error in 0.19.2
+    )
+    seed = 11 + dist.get_rank()  # different tokens per rank, so EP=2 really exchanges tokens
+    ref_losses, ref_grads = _run(pp=1, vpp=None, ep=1, num_layers=2, data_seed=seed, **moe)
+    # At EP=1 each rank's experts saw only its own tokens; at EP=2 an expert sees both ranks'.
+    for name, grad in ref_grads.items():
+        if ".local_experts." in name:
+            dist.all_reduce(grad)
+    got = _run(pp=1, vpp=None, ep=2, num_layers=2, data_seed=seed, **moe)
+    return _check("moe_ep2", (ref_losses, ref_grads), got, MOE_TOLERANCE)
+
+
+def optimizer_checks() -> Verdicts:
+    """DP=2 Megatron DDP (overlapped grad reduce) + distributed optimizer, one clipped Adam step,
+    against plain torch: averaged grads, clipped by total norm, `torch.optim.Adam`."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    seed = 21 + dist.get_rank()
+    _, grads = _run(pp=1, vpp=None, ep=1, num_layers=2, data_seed=seed)
+    with _parallel():
+        params = _named(_build(2, 1, None), "data")
+    for grad in grads.values():
+        dist.all_reduce(grad)
+        grad /= dist.get_world_size()
+    ref_norm = float(torch.stack([g.norm() for g in grads.values()]).norm())
+    scale = min(1.0, CLIP / (ref_norm + 1e-6))
+    ref = {n: p.clone().requires_grad_() for n, p in params.items()}
+    for n, p in ref.items():
+        p.grad = grads[n] * scale
+    torch.optim.Adam(ref.values(), lr=LR).step()
+
+    with _parallel():
+        (module,) = _build(2, 1, None)
+        ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=2000
+        )
+        model = DistributedDataParallel(module.config, ddp_config, module)
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=LR,
+            weight_decay=0.0,
+            clip_grad=CLIP,
+            use_distributed_optimizer=True,
+        )
+        optimizer = get_megatron_optimizer(opt_config, [model])
+        module.config.no_sync_func = model.no_sync
+        module.config.finalize_model_grads_func = finalize_model_grads
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        _train_step([model], seed)
+        success, norm, _ = optimizer.step()
+        got = _named([module], "data")
+    expected = {n: p.detach() for n, p in ref.items()}
+    worst = max(float((expected[n] - got[n]).abs().max()) for n in got)
+    moved = min(float((expected[n] - params[n]).abs().max()) for n in got)
+    ok = success and abs(norm - ref_norm) <= 1e-6 * ref_norm and worst <= OPTIMIZER_TOLERANCE
+    detail = (
+        f"grad norm {norm:.6g} (torch {ref_norm:.6g}, clip {CLIP}), "
+        f"max param diff {worst:.3g}, smallest param update {moved:.3g}"
+    )
+    return _verdict("ddp_distopt", ok, detail)
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    installed = install_cpu_compat()
+    results = {"installed": {"ok": True, "detail": ",".join(installed)}}
+    results |= rng_checks()
+    results |= dense_checks()
+    results |= moe_checks()
+    results |= optimizer_checks()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,107 @@
+"""The CPU-compat layer itself: idempotent, switchable, restorable, and loud on drift."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dualpipe_megatron.megatron import cpu_compat, guard
+from dualpipe_megatron.megatron.cpu_compat import DISABLE_ENV, GROUPS, install_cpu_compat
+
+
+@pytest.fixture
+def restore(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Patches are process-wide: undo them so later tests see plain torch."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    yield
+    cpu_compat.uninstall_cpu_compat()
+
+
+def _samples() -> dict[str, object]:
+    """One symbol per group, as seen now (class attributes via the class dict)."""
+    import torch._dynamo
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return {
+        "current_device": torch.cuda.current_device,
+        "Stream": torch.cuda.Stream,
+        "set_cuda_rng_state": mrandom._set_cuda_rng_state,
+        "zeros": torch.zeros,
+        "Tensor.to": vars(torch.Tensor).get("to"),
+        "Tensor.type": vars(torch.Tensor).get("type"),
+        "all_to_all_single": torch.distributed.all_to_all_single,
+        "dynamo disable": torch._dynamo.config.disable,
+        "compile_helpers": dataset_utils.compile_helpers,
+    }
+
+
+def test_install_is_idempotent_and_restorable(restore: None) -> None:
+    before = _samples()
+    installed = install_cpu_compat(force=True)
+    assert installed == list(GROUPS)
+    patched = _samples()
+    assert all(patched[k] is not before[k] for k in before), "every sample symbol is patched"
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.ones(1).cuda().type() == "torch.cuda.FloatTensor"
+    assert torch.cuda.device_count() == 0, "a GPU is claimed only inside initialize_megatron"
+
+    assert install_cpu_compat(force=True) == installed
+    assert _samples() == patched, "a second install changes nothing"
+
+    cpu_compat.uninstall_cpu_compat()
+    assert _samples() == before
+    assert cpu_compat.installed_groups() == []
+
+
+def test_env_var_and_argument_select_groups(
+    restore: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(DISABLE_ENV, "rng, streams")
+    installed = install_cpu_compat(["device", "rng", "streams", "compile"], force=True)
+    assert installed == ["device", "compile"]
+    assert guard.is_patched(torch.cuda, "current_device")
+    assert not guard.is_patched(torch.cuda, "get_rng_state")
+    assert not guard.is_patched(torch.cuda, "Stream")
+    assert not guard.is_patched(torch, "zeros")
+
+
+def test_env_var_all_disables_everything(restore: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DISABLE_ENV, "all")
+    assert install_cpu_compat(force=True) == []
+
+
+def test_unknown_group_names_fail(restore: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="unknown CPU-compat group"):
+        install_cpu_compat(["no_such_group"], force=True)
+    monkeypatch.setenv(DISABLE_ENV, "rgn")
+    with pytest.raises(ValueError, match="rgn"):
+        install_cpu_compat(force=True)
+
+
+def test_guard_rejects_changed_or_missing_symbols(restore: None) -> None:
+    def f(x: int, y: int) -> int:
+        return x
+
+    fake = types.SimpleNamespace(f=f)
+    with pytest.raises(RuntimeError, match=r"expected parameters \['a', 'b'\], found \['x', 'y'\]"):
+        guard.patch_attr(fake, "f", lambda a, b: a, ["a", "b"])
+    assert fake.f is f
+    with pytest.raises(RuntimeError, match="not found"):
+        guard.patch_attr(fake, "g", lambda: None, [])
+
+    assert guard.patch_attr(fake, "f", lambda x, y: y, ["x"])
+    assert not guard.patch_attr(fake, "f", lambda x, y: 0, ["x"]), "second patch is a no-op"
+    assert fake.f(1, 2) == 2
+
+
+def test_version_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.7+abc")
+    assert guard.check_version() == "0.19.7+abc"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.20.0")
+    with pytest.raises(RuntimeError, match="0.20.0 is not supported"):
+        guard.check_version()
