@@ -1,0 +1,290 @@
+"""Runs one rank's op list: forward, backward, deferred weight grads and F&B pairs.
+
+The executor has no schedule logic. It walks the :class:`MessagePlan` (the
+rank's ops, what each op receives first and sends after), computes, and keeps
+per-(d,s,m) state between the F and the B/W that the IR pairs by key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..schedules.ir import B, F, Key, Schedule, W
+from .p2p import ACT, GRAD, Message, MessagePlan, P2P
+from .wgrad import WeightGradStore, deferring, run_backward
+
+Half = F | B | W
+
+
+@dataclass
+class StepData:
+    """One step's data on one rank, split into micro-batches.
+
+    ``inputs[d][m]`` feeds micro-batch ``m`` of direction ``d`` where this rank
+    holds its first stage; ``labels[d][m]`` goes to the criterion where it holds
+    its last stage.
+    """
+
+    inputs: dict[int, list[tuple[Any, ...]]]
+    labels: dict[int, list[tuple[Any, ...]]]
+    criterion: Callable[..., torch.Tensor] | None
+    return_outputs: bool
+    forward_only: bool
+
+
+@dataclass
+class StepResult:
+    """Per direction ending on this rank: micro-batch losses and (if asked) outputs."""
+
+    losses: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[int, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
+
+
+@dataclass
+class StepStats:
+    """Counters of one step on one rank.
+
+    ``live``/``peak``: (d,s,m) whose activations this rank holds, from the start
+    of its F until its weight grad is done (the simulator's definition).
+    ``freed``: sent activations whose storage was released. ``deferred``:
+    weight-grad closures run by W ops.
+    """
+
+    live: int = 0
+    peak: int = 0
+    freed: int = 0
+    deferred: int = 0
+
+
+def as_list(outputs: Any) -> list[torch.Tensor]:
+    return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+
+
+def has_overlap_hook(module0: nn.Module, module1: nn.Module) -> bool:
+    """DeepSeek's rule: both chunks of one class that defines ``overlapped_forward_backward``."""
+    return type(module0) is type(module1) and hasattr(type(module0), "overlapped_forward_backward")
+
+
+def _describe(index: int, parts: Sequence[Half]) -> str:
+    body = ", ".join(str(h) for h in parts)
+    return f"op #{index} {body if len(parts) == 1 else f'FB[{body}]'} (micro-batch {parts[0].key.m})"
+
+
+class Executor:
+    """Executes the plan of one rank with its stage modules ``chunks[(d, s)]``.
+
+    Receives for the next ``recv_lookahead`` ops are posted before each op, so
+    their transfers overlap compute; each costs one p2p buffer held early.
+    """
+
+    def __init__(
+        self,
+        sched: Schedule,
+        rank: int,
+        chunks: dict[tuple[int, int], nn.Module],
+        p2p: P2P,
+        defer_weight_grads: bool = True,
+        use_overlap_hook: bool = True,
+        recv_lookahead: int = 2,
+    ) -> None:
+        self.sched = sched
+        self.rank = rank
+        self.chunks = chunks
+        self.p2p = p2p
+        self.defer = defer_weight_grads
+        self.use_overlap_hook = use_overlap_hook
+        self.recv_lookahead = recv_lookahead
+        self.stats = StepStats()
+
+    # -- the loop --------------------------------------------------------------
+    def run(self, plan: MessagePlan, data: StepData) -> StepResult:
+        self._start(data)
+        self.p2p.begin(plan)
+        for n, (index, parts) in enumerate(plan.ops):
+            where = _describe(index, parts)
+            ahead = plan.recvs[n:n + 1 + self.recv_lookahead]
+            self.p2p.prefetch([item for per_op in ahead for needs in per_op for item in needs])
+            if len(parts) == 2 and self._hooked(parts[0], parts[1]):
+                self._overlapped(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
+            else:
+                for half, needs, sends in zip(parts, plan.recvs[n], plan.sends[n]):
+                    self._receive(needs, where)
+                    self._send(sends, *self._run_half(half), where)
+            self.p2p.reap()
+        self.p2p.finish()
+        self.stats.freed = self.p2p.freed
+        self._check_drained()
+        return self._result
+
+    def _start(self, data: StepData) -> None:
+        WeightGradStore.clear()
+        self.data = data
+        self.training = not data.forward_only
+        self.stats = StepStats()
+        self._live: set[Key] = set()
+        self._arrived: dict[Message, list[torch.Tensor]] = {}
+        self._inputs: dict[Key, list[Any]] = {}
+        self._outputs: dict[Key, list[torch.Tensor]] = {}
+        self._handoff: dict[Key, list[torch.Tensor]] = {}
+        self._local_grads: dict[Key, list[torch.Tensor | None]] = {}
+        self._loss_graph: dict[Key, torch.Tensor] = {}
+        self._result = StepResult()
+
+    def _check_drained(self) -> None:
+        leftovers = {
+            "received": self._arrived, "inputs": self._inputs, "outputs": self._outputs,
+            "hand-offs": self._handoff, "local grads": self._local_grads, "losses": self._loss_graph,
+            "live": self._live, "deferred weight grads": WeightGradStore.pending(),
+        }
+        left = {name: sorted(map(str, items)) for name, items in leftovers.items() if items}
+        if left:
+            raise RuntimeError(f"pipeline rank {self.rank}: step ended with state left over: {left}")
+
+    # -- helpers -----------------------------------------------------------------
+    def _hooked(self, f: Half, b: Half) -> bool:
+        return (
+            self.use_overlap_hook
+            and isinstance(f, F) and isinstance(b, B)
+            and has_overlap_hook(self.chunks[(f.key.d, f.key.s)], self.chunks[(b.key.d, b.key.s)])
+        )
+
+    def _is_last(self, key: Key) -> bool:
+        return key.s == self.sched.stages - 1
+
+    def _next_is_local(self, key: Key) -> bool:
+        return self.sched.rank_of(key.d, key.s + 1) == self.rank
+
+    def _prev_is_local(self, key: Key) -> bool:
+        return self.sched.rank_of(key.d, key.s - 1) == self.rank
+
+    def _receive(self, needs: Sequence[tuple[Message, int]], where: str) -> None:
+        for msg, src in needs:
+            self._arrived[msg] = self.p2p.recv(msg, src, where)
+
+    def _send(
+        self, sends: Sequence[tuple[Message, int]], payload: list[torch.Tensor] | None,
+        free: list[torch.Tensor], where: str,
+    ) -> None:
+        for msg, dst in sends:
+            self.p2p.send(msg, dst, payload, after=where, free=free)
+
+    def _run_half(self, half: Half) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        """Run one F/B/W; return what it sends (if anything) and which of that to free once sent."""
+        if isinstance(half, F):
+            module, inputs, criterion, labels = self._forward_begin(half.key)
+            outputs = as_list(module(*inputs))
+            loss = criterion(*outputs, *labels) if criterion is not None else None
+            return self._forward_end(half.key, inputs, outputs, loss)
+        if isinstance(half, B):
+            _, loss, outputs, grads = self._backward_begin(half.key)
+            with deferring(half.key, enabled=self.defer and not half.w):
+                if loss is not None:
+                    run_backward([loss], [torch.ones_like(loss)])
+                elif outputs:
+                    run_backward(outputs, grads)
+            return self._backward_end(half)
+        if self.defer:
+            self.stats.deferred += WeightGradStore.pop(half.key)
+        self._live.discard(half.key)
+        self.stats.live = len(self._live)
+        return None, []
+
+    def _overlapped(
+        self, f: F, b: B, recvs: list[list[tuple[Message, int]]],
+        sends: list[list[tuple[Message, int]]], where: str,
+    ) -> None:
+        """An F&B pair through the chunk class's ``overlapped_forward_backward`` hook."""
+        for needs in recvs:
+            self._receive(needs, where)
+        module0, inputs0, criterion0, labels0 = self._forward_begin(f.key)
+        module1, loss1, outputs1, grads1 = self._backward_begin(b.key)
+        with deferring(b.key, enabled=self.defer and not b.w):
+            outputs0, loss0 = type(module0).overlapped_forward_backward(
+                module0, inputs0, criterion0, list(labels0), module1, loss1, outputs1, grads1,
+            )
+        self._send(sends[0], *self._forward_end(f.key, inputs0, as_list(outputs0), loss0), where)
+        self._send(sends[1], *self._backward_end(b), where)
+
+    # -- forward -------------------------------------------------------------------
+    def _forward_begin(self, key: Key) -> tuple[nn.Module, list[Any], Callable | None, tuple]:
+        if key.s == 0:
+            inputs = list(self.data.inputs[key.d][key.m])
+        else:
+            prev = Key(key.d, key.s - 1, key.m)
+            if self._prev_is_local(key):
+                inputs = [t.detach() for t in self._handoff.pop(prev)]
+            else:
+                inputs = self._arrived.pop(Message(ACT, prev))
+            if self.training:
+                inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+        self._live.add(key)
+        self.stats.live = len(self._live)
+        self.stats.peak = max(self.stats.peak, self.stats.live)
+        last = self._is_last(key)
+        criterion = self.data.criterion if last else None
+        labels = self.data.labels[key.d][key.m] if last and criterion is not None else ()
+        return self.chunks[(key.d, key.s)], inputs, criterion, labels
+
+    def _forward_end(
+        self, key: Key, inputs: list[Any], outputs: list[torch.Tensor], loss: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        if self.training:
+            self._inputs[key] = inputs
+        else:
+            self._live.discard(key)
+            self.stats.live = len(self._live)
+        if self._is_last(key):
+            if loss is not None:
+                self._result.losses.setdefault(key.d, {})[key.m] = loss.detach()
+                if self.training:
+                    self._loss_graph[key] = loss
+            if self.data.return_outputs:
+                self._result.outputs.setdefault(key.d, {})[key.m] = [o.detach() for o in outputs]
+            return None, []
+        if self.training:
+            self._outputs[key] = outputs
+        if self._next_is_local(key):
+            self._handoff[key] = outputs
+            return None, []
+        # A sent activation is needed again only through its grad_fn, so its
+        # storage can go once the send is done (unless it is a view or an input).
+        free = [o for o in outputs if o._base is None and not any(o is i for i in inputs)]
+        return outputs, free
+
+    # -- backward -------------------------------------------------------------------
+    def _backward_begin(
+        self, key: Key,
+    ) -> tuple[nn.Module, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+        module = self.chunks[(key.d, key.s)]
+        if self._is_last(key):
+            return module, self._loss_graph.pop(key), [], []
+        outputs = self._outputs.pop(key)
+        nxt = Key(key.d, key.s + 1, key.m)
+        if self._next_is_local(key):
+            grads = self._local_grads.pop(nxt)
+        else:
+            grads = self._arrived.pop(Message(GRAD, nxt))
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        return module, None, [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_end(self, half: B) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        key = half.key
+        inputs = self._inputs.pop(key)
+        if half.w or not self.defer:
+            self._live.discard(key)
+            self.stats.live = len(self._live)
+        if key.s == 0:
+            return None, []
+        grads = [t.grad for t in inputs]
+        if self._prev_is_local(key):
+            self._local_grads[key] = grads
+            return None, []
+        # An input that got no grad still owes its peer a tensor of the declared shape.
+        return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, inputs)], []
+
+
+__all__ = ["StepStats", "Executor", "StepData", "StepResult", "as_list", "has_overlap_hook"]

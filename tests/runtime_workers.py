@@ -1,0 +1,474 @@
+"""Rank processes for tests/test_runtime.py: the pipeline runtime on CPU/gloo.
+
+:func:`launch` spawns ``world`` processes, each running one worker function
+over a whole list of cases (process start dominates the cost, so one launch
+runs many checks), and returns every rank's result. Workers never import
+Megatron. Comparisons with the single-process reference happen in the test
+process; workers only report losses, outputs, gradients and counters.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as TF
+from torch import nn
+
+HIDDEN = 8
+MICRO_ROWS = 2
+SEED = 1234
+
+# -- launching ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        result: Any = ("ok", fn(rank, world, *args))
+    except BaseException:  # noqa: BLE001 - everything goes back to the test
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    # Skip interpreter teardown: a rank that gave up on a peer may still have receives posted.
+    os._exit(0)
+
+
+def launch(world: int, fn: Callable, *args: Any, timeout: float = 150.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        procs = [ctx.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results = []
+        for r in range(world):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} reported nothing (hung ranks: {hung})")
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise RuntimeError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """One pipeline stage: plain nn.Linear layers (deferrable out of the box) and a LayerNorm."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 2 * hidden)
+        self.fc2 = nn.Linear(2 * hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(torch.tanh(self.fc1(x))))
+
+
+class HookedBlock(Block):
+    """A Block whose class provides DeepSeek's ``overlapped_forward_backward`` hook."""
+
+    calls = 0
+
+    @classmethod
+    def overlapped_forward_backward(
+        cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
+    ):
+        from dualpipe_megatron.runtime import run_backward
+
+        cls.calls += 1
+        outputs0 = module0(*inputs0)
+        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+        if loss1 is not None:
+            loss1.backward()
+            loss1.detach_()
+        else:
+            run_backward(outputs1, output_grads1)
+        return outputs0, loss0
+
+
+class PairBlock(nn.Module):
+    """A stage passing two tensors on every edge: a hidden state and a gated side stream."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.block = Block(hidden)
+        self.gate = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.block(x + z)
+        return h, z * torch.sigmoid(self.gate(h))
+
+
+def build_layers(count: int, dtype: torch.dtype, hooked: bool = False, pair: bool = False) -> list[nn.Module]:
+    """The whole model's layers, identical in every process."""
+    torch.manual_seed(SEED)
+    cls = PairBlock if pair else HookedBlock if hooked else Block
+    return [cls(HIDDEN).to(dtype) for _ in range(count)]
+
+
+def batch(rows: int, dtype: torch.dtype, pair: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Model inputs (one tensor, or two for PairBlock models) and labels."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    x, z, y = (torch.randn(rows, HIDDEN, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    return ([x, z] if pair else [x]), y
+
+
+class SumSquares:
+    """Squared error summed over rows and divided by the *whole* batch's rows.
+
+    Per micro-batch losses then add up to the whole-batch loss, so the
+    pipeline's summed loss and gradients equal a single full-batch backward.
+    A two-tensor output is scored on its sum.
+    """
+
+    def __init__(self, total_rows: int) -> None:
+        self.total_rows = total_rows
+
+    def __call__(self, *outputs_and_label: torch.Tensor) -> torch.Tensor:
+        *outputs, label = outputs_and_label
+        return ((sum(outputs) - label) ** 2).sum() / self.total_rows
+
+
+def layers_of(sched, rank: int) -> list[int]:
+    """The model layer each stage module on ``rank`` runs (both DualPipe directions share layers)."""
+    return [s for _, s in sched.stages_on(rank)]
+
+
+def reference(layers: list[nn.Module], inputs: list[torch.Tensor], y: torch.Tensor) -> dict[str, Any]:
+    """Whole model, whole batch, one process: loss, outputs and per-layer grads."""
+    out = inputs
+    for layer in layers:
+        out = layer(*out)
+        out = [out] if isinstance(out, torch.Tensor) else list(out)
+    loss = SumSquares(y.shape[0])(*out, y)
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "outputs": [o.detach() for o in out],
+        "grads": [[p.grad.clone() for p in layer.parameters()] for layer in layers],
+    }
+
+
+# -- the pipeline cases ----------------------------------------------------------------------------
+
+
+def run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One training step and one forward-only step of ``case`` on this rank.
+
+    With ``reversed`` the pipeline ranks run opposite to the group ranks (``rank_mapping``).
+    """
+    from dualpipe_megatron.runtime import Pipeline, sync_mirrored_grads
+    from dualpipe_megatron.schedules import build_schedule
+
+    dtype = getattr(torch, case["dtype"])
+    name, m, pair = case["schedule"], case["microbatches"], case.get("pair", False)
+    mapping = [world - 1 - g for g in range(world)] if case.get("reversed") else None
+    pp_rank = mapping[rank] if mapping else rank
+    sched = build_schedule(name, world, m, chunks=case.get("chunks"))
+    layers = build_layers(sched.stages, dtype, hooked=case["hook"], pair=pair)
+    modules = [layers[s] for s in layers_of(sched, pp_rank)]
+    xs, y = batch(m * MICRO_ROWS, dtype, pair)
+    per_dir = y.shape[0] // sched.directions
+    # Direction d carries rows [d*per_dir, (d+1)*per_dir) of the batch.
+    rows = [slice(d * per_dir, (d + 1) * per_dir) for d in range(sched.directions)]
+    first = [d for d in range(sched.directions) if sched.rank_of(d, 0) == pp_rank]
+    last = [d for d in range(sched.directions) if sched.rank_of(d, sched.stages - 1) == pp_rank]
+    inputs = [x[rows[first[0]]] for x in xs] if first else []
+    labels = [y[rows[last[0]]]] if last else []
+    pipe = Pipeline(
+        modules, name, chunks=case.get("chunks"), p2p_shapes=[(MICRO_ROWS, HIDDEN)] * len(xs),
+        p2p_dtype=dtype, timeout=30.0, debug=case.get("debug", False), defer_weight_grads=case["defer"],
+        rank_mapping=mapping,
+    )
+    criterion = SumSquares(y.shape[0])
+    HookedBlock.calls = 0
+    loss, outputs = pipe.step(
+        *inputs, num_microbatches=m, criterion=criterion, labels=labels, return_outputs=True
+    )
+    stats = pipe.stats
+    if sched.directions == 2:
+        sync_mirrored_grads(modules, rank_mapping=mapping)
+    grads = [[p.grad.clone() for p in module.parameters()] for module in modules]
+    pipe.zero_grad()
+    with torch.no_grad():
+        loss_fo, outputs_fo = pipe.step(
+            *inputs, num_microbatches=m, criterion=criterion, labels=labels, return_outputs=True
+        )
+    return {
+        "pp_rank": pp_rank, "loss": loss, "outputs": outputs, "grads": grads,
+        "peak": stats.peak, "freed": stats.freed, "deferred": stats.deferred, "hook_calls": HookedBlock.calls,
+        "loss_fo": loss_fo, "outputs_fo": outputs_fo,
+        "untouched_by_forward_only": all(p.grad is None for p in pipe.parameters()),
+    }
+
+
+def expect_error(fn: Callable[[], Any], exc_type: type[BaseException]) -> str:
+    try:
+        fn()
+    except exc_type as exc:
+        return str(exc)
+    raise AssertionError(f"expected {exc_type.__name__}")
+
+
+def bad_calls(rank: int, world: int) -> dict[str, str]:
+    """Wrong inputs raise on the calling rank before any message is posted.
+
+    Only rank 0 calls; if any of these communicated, the cases run after them
+    in the same launch would see stray messages and fail.
+    """
+    from dualpipe_megatron.runtime import Pipeline
+
+    if rank != 0:
+        return {}
+    layers = build_layers(2 * world, torch.float64)
+    (x,), y = batch(4 * world * MICRO_ROWS, torch.float64)
+    crit = SumSquares(x.shape[0])
+
+    def pipe(modules=None, **kw):
+        kw.setdefault("p2p_shapes", [(MICRO_ROWS, HIDDEN)])
+        kw.setdefault("p2p_dtype", torch.float64)
+        mods = modules if modules is not None else [layers[0], layers[-1]]
+        return Pipeline(mods, "dualpipev", **kw)
+
+    m = 2 * world
+    return {
+        "modules": expect_error(lambda: pipe([layers[0]]).step(x, num_microbatches=m, criterion=crit, labels=[y]), ValueError),
+        "microbatches": expect_error(lambda: pipe().step(x, num_microbatches=world, criterion=crit, labels=[y]), ValueError),
+        "inputs": expect_error(lambda: pipe().step(None, num_microbatches=m, criterion=crit, labels=[y]), ValueError),
+        "criterion": expect_error(lambda: pipe().step(x, num_microbatches=m, labels=[y]), ValueError),
+        "split": expect_error(lambda: pipe().step(x[:-1], num_microbatches=m, criterion=crit, labels=[y[:-1]]), ValueError),
+        "shapes": expect_error(lambda: pipe(p2p_shapes=None).step(x, num_microbatches=m, criterion=crit, labels=[y]), ValueError),
+    }
+
+
+def run_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every case in order; the first failure stops the launch (the group may be out of step)."""
+    results: dict[str, Any] = {"bad_calls": bad_calls(rank, world)}
+    for case in cases:
+        if case["schedule"] == "compat":
+            results[case["id"]] = compat_example(rank, world, case["variant"])
+        else:
+            results[case["id"]] = run_case(rank, world, case)
+    return results
+
+
+# -- the reference example, ported ---------------------------------------------------------------------
+
+
+def compat_example(rank: int, world: int, variant: str) -> dict[str, Any]:
+    """DeepSeek's examples/example_dualpipe{,v}.py logic with only the import changed (CPU, small)."""
+    from dualpipe_megatron.compat import DualPipe, DualPipeV, set_p2p_tensor_dtype, set_p2p_tensor_shapes
+    from dualpipe_megatron.compat.utils import WeightGradStore, run_backward
+
+    class LinearFunc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input, weight):
+            ctx.save_for_backward(input, weight)
+            return TF.linear(input, weight)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            input, weight = ctx.saved_tensors
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+
+            def grad_weight_fn():
+                weight.grad += grad_output.flatten(0, -2).T @ input.flatten(0, -2)
+
+            if WeightGradStore.enabled:
+                WeightGradStore.put(grad_weight_fn)
+            else:
+                grad_weight_fn()
+            return grad_output @ weight, None
+
+    class MyLinear(nn.Linear):
+        def forward(self, input):
+            return LinearFunc.apply(input, self.weight)
+
+    class PipelineStage(nn.Module):
+        def __init__(self, hidden_size):
+            super().__init__()
+            self.linear1 = MyLinear(hidden_size, hidden_size * 4, bias=False)
+            self.linear2 = MyLinear(hidden_size * 4, hidden_size, bias=False)
+
+        def forward(self, x):
+            return self.linear2(TF.gelu(self.linear1(x)))
+
+        @classmethod
+        def overlapped_forward_backward(
+            cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
+        ):
+            outputs0 = module0(*inputs0)
+            outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+            loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+            if loss1 is not None:
+                loss1.backward()
+                loss1.detach_()
+            else:
+                run_backward(outputs1, output_grads1)
+            return outputs0, loss0
+
+    def criterion(output, target):
+        return TF.mse_loss(output, target).clone()
+
+    def ref_step(x, l, model, chunks):
+        ys, losses = [], []
+        for micro_x, micro_l in zip(x.chunk(chunks), l.chunk(chunks)):
+            micro_y = model(micro_x)
+            loss = criterion(micro_y, micro_l)
+            loss.backward()
+            ys.append(micro_y)
+            losses.append(loss)
+        return torch.stack(losses), torch.cat(ys, 0)
+
+    def cal_diff(x, y):
+        x, y = x.double(), y.double()
+        return 1 - 2 * (x * y).sum().item() / (x * x + y * y).sum().item()
+
+    torch.manual_seed(233)
+    num_chunks, micro_batch_size, seq_len, hidden_size = 2 * world + 2, 3, 4, 8
+    set_p2p_tensor_shapes([(micro_batch_size, seq_len, hidden_size)])
+    set_p2p_tensor_dtype(torch.float32)
+    is_first_rank, is_last_rank = rank == 0, rank == world - 1
+    v = variant == "dualpipev"
+    full_modules = nn.Sequential(*[PipelineStage(hidden_size) for _ in range(world * 2 if v else world)])
+    full_x = torch.randn(num_chunks * micro_batch_size, seq_len, hidden_size)
+    full_l = torch.randn(num_chunks * micro_batch_size, seq_len, hidden_size)
+    loss_ref, output_ref = ref_step(full_x, full_l, full_modules, num_chunks)
+    mirror = world * 2 - 1 - rank if v else world - 1 - rank
+    local_full_modules = nn.Sequential(full_modules[rank], full_modules[mirror])
+    local_modules = nn.Sequential(PipelineStage(hidden_size), PipelineStage(hidden_size))
+    local_modules[0].load_state_dict(local_full_modules[0].state_dict())
+    local_modules[1].load_state_dict(local_full_modules[1].state_dict())
+    model = (DualPipeV if v else DualPipe)(local_modules)
+
+    if v:
+        x, l = (full_x, full_l) if is_first_rank else (None, None)
+        want_loss, want_out = (loss_ref, output_ref) if is_first_rank else (None, None)
+    elif is_first_rank:
+        x, l = full_x.chunk(2)[0], full_l.chunk(2)[1]
+        want_loss, want_out = loss_ref.chunk(2)[1], output_ref.chunk(2)[1]
+    elif is_last_rank:
+        x, l = full_x.chunk(2)[1], full_l.chunk(2)[0]
+        want_loss, want_out = loss_ref.chunk(2)[0], output_ref.chunk(2)[0]
+    else:
+        x = l = want_loss = want_out = None
+
+    loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(l,), return_outputs=False)
+    checks = {"loss": want_loss is None and loss is None or torch.equal(loss, want_loss), "outputs": outputs is None}
+    if not v:
+        # The example's all_gather_into_tensor, as a list all_gather (gloo's takes other shapes).
+        for p0, p1 in zip(local_modules[0].parameters(), local_modules[1].parameters()):
+            p0all = [torch.empty_like(p0) for _ in range(world)]
+            p1all = [torch.empty_like(p1) for _ in range(world)]
+            dist.all_gather(p0all, p0.grad)
+            dist.all_gather(p1all, p1.grad)
+            p0.grad += p1all[world - 1 - rank]
+            p1.grad += p0all[world - 1 - rank]
+    diffs = [cal_diff(p.grad, p_ref.grad) for p, p_ref in zip(local_modules.parameters(), local_full_modules.parameters())]
+    checks["grads"] = max(diffs) < 1e-13
+    model.zero_grad()
+    with torch.no_grad():
+        loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(l,), return_outputs=True)
+    if want_loss is None:
+        checks["inference"] = loss is None and outputs is None
+    else:
+        checks["inference"] = torch.equal(loss, want_loss) and torch.equal(outputs, want_out)
+    return {"checks": checks, "max_grad_diff": max(diffs)}
+
+
+# -- failures ---------------------------------------------------------------------------------------------
+
+
+class FailingBlock(Block):
+    """Raises in its ``fail_at``-th forward (counting from 1)."""
+
+    def __init__(self, hidden: int, fail_at: int) -> None:
+        super().__init__(hidden)
+        self.fail_at = fail_at
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        if self.forwards == self.fail_at:
+            raise RuntimeError("injected failure")
+        return super().forward(x)
+
+
+def failing_step(rank: int, world: int, failing_rank: int, timeout: float) -> dict[str, Any]:
+    """A DualPipeV step in which ``failing_rank`` raises in its 3rd forward."""
+    from dualpipe_megatron.runtime import Pipeline
+
+    m = 2 * world
+    torch.manual_seed(SEED)
+    modules = [FailingBlock(HIDDEN, 3 if rank == failing_rank else 0) for _ in range(2)]
+    (x,), y = batch(m * MICRO_ROWS, torch.float32)
+    pipe = Pipeline(
+        modules, "dualpipev", p2p_shapes=[(MICRO_ROWS, HIDDEN)], p2p_dtype=torch.float32, timeout=timeout,
+    )
+    start = time.monotonic()
+    try:
+        pipe.step(x, num_microbatches=m, criterion=SumSquares(x.shape[0]), labels=[y])
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        outcome = {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
+    else:
+        outcome = {"error": None, "elapsed": time.monotonic() - start}
+    if rank == failing_rank:
+        # Stay connected for a while, so the peers see a silent rank rather than a closed socket.
+        time.sleep(timeout + 2)
+    return outcome
+
+
+def mismatched_plans(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 believes rank 0 sends micro-batch 1 before 0; the debug check must catch it."""
+    from dualpipe_megatron.runtime import Pipeline, PipelineCommError
+    from dualpipe_megatron.schedules import build_schedule
+
+    sched = build_schedule("1f1b", world, 2)
+    if rank == 1:
+        first = sched.ops[0]
+        first[0], first[1] = first[1], first[0]
+    torch.manual_seed(SEED)
+    (x,), y = batch(2 * MICRO_ROWS, torch.float64)
+    pipe = Pipeline(
+        [Block(HIDDEN).double()], sched, p2p_shapes=[(MICRO_ROWS, HIDDEN)], p2p_dtype=torch.float64,
+        timeout=3.0, debug=True,
+    )
+    try:
+        pipe.step(*([x] if rank == 0 else []), criterion=SumSquares(x.shape[0]), labels=[y] if rank == world - 1 else [])
+    except PipelineCommError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
