@@ -6,79 +6,22 @@ below reads its verdict. A failing or hanging rank fails every check with its lo
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from dualpipe_megatron.megatron.cpu_compat import DISABLE_ENV, GROUPS
+from dualpipe_megatron.megatron.cpu_compat import GROUPS
+
+from launcher import launch
 
 WORKER = Path(__file__).with_name("megatron_workers.py")
 WORLD_SIZE = 2
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, chars: int) -> str:
-    return path.read_text(errors="replace")[-chars:]
-
-
-def _launch(out_dir: Path) -> dict[str, dict[str, object]]:
-    out = out_dir / "results.json"
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(WORLD_SIZE):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD_SIZE),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        env.pop(DISABLE_ENV, None)
-        logs.append(out_dir / f"rank{rank}.log")
-        with logs[-1].open("w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), str(out)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=WORKER.parent.parent,
-                )
-            )
-    deadline = time.monotonic() + TIMEOUT_S
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.poll() not in (None, 0) for p in procs):
-            break  # a dead rank leaves its peers blocked in a collective
-        time.sleep(0.2)
-    codes = [p.poll() for p in procs]
-    if codes != [0] * WORLD_SIZE or not out.exists():
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        why = f"exit codes {codes} (None: killed, still running at failure or after {TIMEOUT_S} s)"
-        report = "\n".join(f"--- rank {r} ---\n{_tail(log, 6000)}" for r, log in enumerate(logs))
-        pytest.fail(f"Megatron CPU workers failed: {why}\n{report}", pytrace=False)
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
-    return _launch(tmp_path_factory.mktemp("megatron_cpu"))
+    return launch(WORKER, WORLD_SIZE, tmp_path_factory.mktemp("megatron_cpu"), TIMEOUT_S)
 
 
 def test_all_groups_installed_in_workers(results: dict[str, dict[str, object]]) -> None:

@@ -1,0 +1,111 @@
+"""Building and preparing Megatron model chunks for DualPipe and DualPipeV.
+
+A Megatron user builds one model chunk per virtual stage. Our schedules hold
+two chunks per rank whose roles differ from Megatron's looped placement:
+:func:`chunk_roles` says, for each chunk, which model stage it is and whether
+it holds the embedding (``pre_process``) or the output layer and loss
+(``post_process``); :func:`dualpipe_layout` numbers every layer globally; and
+:func:`prepare_model` fixes what spans two chunks once they exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from torch import nn
+
+from ..schedules import ScheduleError
+from .grads import (
+    broadcast_mirrored_params, build_mirror_group, mark_mirror_copies_shared, tie_embeddings_locally,
+)
+from .schedule import SCHEDULES, DualPipeOptions, stage_map_for
+from .topology import DualPipeLayout, StageMap, stage_layer_types
+
+
+@dataclass(frozen=True)
+class ChunkRole:
+    """What chunk ``vp_stage`` of a rank holds."""
+
+    vp_stage: int
+    stage: int
+    pre_process: bool
+    post_process: bool
+
+
+def chunk_roles(stage_map: StageMap, rank: int) -> list[ChunkRole]:
+    return [
+        ChunkRole(c, stage_map.stage(rank, c), stage_map.is_first(rank, c), stage_map.is_last(rank, c))
+        for c in range(stage_map.chunks)
+    ]
+
+
+def check_configuration(schedule: str, pipeline_size: int, num_microbatches: int | None,
+                        num_layers: int, layout: str | list | None = None) -> None:
+    """Reject a configuration our schedules cannot run, before any model is built."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if schedule == "dualpipe" and pipeline_size % 2:
+        raise ValueError(
+            f"--pipeline-schedule dualpipe needs an even pipeline-model-parallel size, got {pipeline_size}"
+        )
+    if pipeline_size < 2:
+        raise ValueError(f"--pipeline-schedule {schedule} needs pipeline-model-parallel size >= 2")
+    if num_microbatches is not None:
+        if schedule == "dualpipe" and num_microbatches % 2:
+            raise ValueError(
+                f"--pipeline-schedule dualpipe needs an even number of micro-batches (half go each "
+                f"way), got {num_microbatches}"
+            )
+        if num_microbatches < 2 * pipeline_size:
+            raise ValueError(
+                f"--pipeline-schedule {schedule} needs at least 2 x pipeline size = "
+                f"{2 * pipeline_size} micro-batches per step, got {num_microbatches}; raise "
+                f"--global-batch-size or lower --micro-batch-size"
+            )
+    stages = stage_map_for(schedule, pipeline_size).num_stages
+    try:
+        stage_layer_types(num_layers, stages, layout)
+    except ScheduleError as exc:
+        raise ValueError(f"--pipeline-schedule {schedule}: {exc}") from None
+
+
+def dualpipe_layout(schedule: str, pipeline_size: int, num_layers: int,
+                    layout: str | list | None = None) -> DualPipeLayout:
+    """Megatron layer layout for our placement: pass it as ``pipeline_model_parallel_layout``."""
+    stage_map = stage_map_for(schedule, pipeline_size)
+    return DualPipeLayout(stage_layer_types(num_layers, stage_map.num_stages, layout), stage_map)
+
+
+def prepare_model(model: Sequence[nn.Module], options: DualPipeOptions, rank: int,
+                  ranks: int) -> DualPipeOptions:
+    """Once, after the chunks are built and before the optimizer: tie embeddings locally and,
+    for DualPipe, make the mirrored copies equal and mark the second copy shared.
+
+    Collective over the world for DualPipe (it creates the mirror-pair groups).
+    """
+    stage_map = stage_map_for(options.schedule, ranks)
+    tie_embeddings_locally(model, stage_map, rank)
+    if options.schedule == "dualpipe":
+        options.mirror_group = build_mirror_group()
+        broadcast_mirrored_params(model, stage_map, rank, options.mirror_group)
+        mark_mirror_copies_shared(model)
+    return options
+
+
+def embedding_ranks(pp_ranks: list[int], *_: Any) -> list[int]:
+    """``get_embedding_ranks`` for ``initialize_model_parallel``: our ties are local to one rank,
+    so the embedding group is the first pipeline rank alone (a size-1 group Megatron skips);
+    the default [first, last] group would make rank 0 wait in a collective the last rank never
+    joins."""
+    return [pp_ranks[0]]
+
+
+def model_config_kwargs(schedule: str, pipeline_size: int, num_layers: int,
+                        layout: str | list | None = None) -> dict[str, Any]:
+    """TransformerConfig fields our placement needs (virtual size and layout)."""
+    return {
+        "pipeline_model_parallel_size": pipeline_size,
+        "virtual_pipeline_model_parallel_size": 2,
+        "pipeline_model_parallel_layout": dualpipe_layout(schedule, pipeline_size, num_layers, layout),
+    }

@@ -1,0 +1,78 @@
+"""Stage predicates that know where DualPipe puts the first and last stages.
+
+Megatron's ``parallel_state.is_pipeline_first_stage``/``is_pipeline_last_stage``
+are index tests (rank 0 / rank P-1, chunk 0 / chunk V-1). Data loading
+(``get_batch``), ``forward_step_calc_loss``'s fallback and MTP ask them, and
+under DualPipeV rank 0 holds both the first stage (chunk 0) and the last (chunk 1).
+While a :class:`StageMap` is active the patched predicates answer from it:
+for an explicit ``vp_stage``, for the chunk our schedule is running (set with
+:func:`running_chunk`), or, with neither, for any chunk on this rank.
+
+The pg-based ``pipeline_parallel.utils.is_pp_first_stage``/``is_pp_last_stage``
+keep their meaning (rank topology) and are not touched.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
+
+from megatron.core import parallel_state
+
+from .guard import is_patched, patch_attr
+from .topology import StageMap
+
+_active: list[StageMap] = []
+_chunk: ContextVar[int | None] = ContextVar("dualpipe_running_chunk", default=None)
+
+
+def active_stage_map() -> StageMap | None:
+    return _active[-1] if _active else None
+
+
+@contextmanager
+def stage_map_active(stage_map: StageMap) -> Iterator[None]:
+    """Make the predicates answer from ``stage_map`` (nestable; restores on exit)."""
+    install_predicates()
+    _active.append(stage_map)
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+@contextmanager
+def running_chunk(chunk: int) -> Iterator[None]:
+    """Mark ``chunk`` as the one whose forward step is running on this rank."""
+    token = _chunk.set(chunk)
+    try:
+        yield
+    finally:
+        _chunk.reset(token)
+
+
+def _answer(test: Callable[[StageMap, int, int], bool], ignore_virtual: bool, vp_stage: int | None) -> bool:
+    stage_map = _active[-1]
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunk = vp_stage if (vp_stage is not None and not ignore_virtual) else _chunk.get()
+    if chunk is not None:
+        return test(stage_map, rank, chunk)
+    return any(test(stage_map, rank, c) for c in range(stage_map.chunks))
+
+
+def install_predicates() -> None:
+    """Patch the two ``parallel_state`` predicates (idempotent; inert while no map is active)."""
+    for name, test in (("is_pipeline_first_stage", StageMap.is_first),
+                       ("is_pipeline_last_stage", StageMap.is_last)):
+        if is_patched(parallel_state, name):
+            continue
+        original = getattr(parallel_state, name)
+
+        def predicate(ignore_virtual: bool = True, vp_stage: int | None = None,
+                      _original: Callable = original, _test: Callable = test) -> bool:
+            if not _active:
+                return _original(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+            return _answer(_test, ignore_virtual, vp_stage)
+
+        patch_attr(parallel_state, name, predicate, ["ignore_virtual", "vp_stage"])

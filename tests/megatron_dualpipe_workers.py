@@ -1,0 +1,273 @@
+"""Rank process for tests/test_megatron_dualpipe.py: our DualPipe/DualPipeV forward_backward_func
+on Megatron GPTModel chunks, against Megatron's own 1F1B and a PP=1 run.
+
+Run as ``python tests/megatron_dualpipe_workers.py OUT_JSON`` with RANK, WORLD_SIZE (the
+pipeline size P), MASTER_ADDR and MASTER_PORT set. Every layout starts from the same weights
+(each parameter seeded by its global name, see megatron_workers.py). Rank 0 writes
+``{check: {"ok": bool, "detail": str}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
+from megatron_workers import _batches, _config, _forward_step, _global_name, _max_diff, _verdict
+
+VOCAB, SEQ, HIDDEN = 64, 8, 16
+TOLERANCE = 1e-6  # relative to the largest reference value, per tensor
+Result = tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]  # losses, grads by global name
+
+
+def _parallel(pp: int, vpp: int | None, tied_local: bool) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from dualpipe_megatron.megatron.model import embedding_ranks
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        get_embedding_ranks=embedding_ranks if tied_local else None,
+    )
+    model_parallel_cuda_manual_seed(1234)
+
+
+def _fill(model: torch.nn.Module, tied: bool) -> None:
+    """Weights from a generator seeded by the global name; a tied output copy is the embedding."""
+    for name, param in model.named_parameters():
+        gname = _global_name(model, name)
+        if tied and gname == "output_layer.weight":
+            gname = "embedding.word_embeddings.weight"
+        gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+        value = 0.1 * torch.randn(param.shape, generator=gen)
+        param.data.copy_(value + 1.0 if name.endswith("norm.weight") else value)
+
+
+def _gpt(config, pre: bool, post: bool, tied: bool, vp_stage: int | None) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied,
+                     vp_stage=vp_stage)
+    _fill(model, tied)
+    return model
+
+
+def _megatron_layout(layers: int, pp: int, tied: bool) -> list[torch.nn.Module]:
+    """Megatron's own placement (PP=1 or 1F1B), and its forward_backward_func."""
+    from megatron.core import parallel_state as ps
+
+    _parallel(pp, None, tied_local=False)
+    config = _config(layers, pp, None)
+    return [_gpt(config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(), tied, None)]
+
+
+def _our_layout(schedule: str, layers: int, pp: int, tied: bool):
+    from dualpipe_megatron.megatron.model import chunk_roles, model_config_kwargs, prepare_model
+    from dualpipe_megatron.megatron.schedule import DualPipeOptions, stage_map_for
+
+    _parallel(pp, 2, tied_local=True)
+    kwargs = model_config_kwargs(schedule, pp, layers)
+    config = _config(layers, pp, 2, pipeline_model_parallel_layout=kwargs["pipeline_model_parallel_layout"])
+    rank = dist.get_rank()
+    chunks = [_gpt(config, r.pre_process, r.post_process, tied, r.vp_stage)
+              for r in chunk_roles(stage_map_for(schedule, pp), rank)]
+    options = prepare_model(chunks, DualPipeOptions(schedule=schedule, timeout=120), rank, pp)
+    return chunks, options
+
+
+def _step(chunks: list[torch.nn.Module], fb, m: int, seed: int, forward_only: bool = False) -> list[torch.Tensor]:
+    batches = _batches(seed, m)
+    reports = fb(forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks],
+                 model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=batches[0]["tokens"].shape[0],
+                 forward_only=forward_only)
+    return [r["lm loss"] for r in reports] if reports else []
+
+
+def _grads(chunks: list[torch.nn.Module], tied: bool) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {}
+    for model in chunks:
+        for name, p in model.named_parameters():
+            gname = _global_name(model, name)
+            if tied and gname == "output_layer.weight":
+                gname = "embedding.word_embeddings.weight"
+            out.setdefault(gname, []).append(p.grad.detach().clone())
+    return out
+
+
+def _sum_megatron_tie(grads: dict[str, list[torch.Tensor]], tied: bool, pp: int) -> None:
+    """What Megatron's finalize does for a tie across first and last rank: sum both copies."""
+    if not tied or pp == 1:
+        return
+    name = "embedding.word_embeddings.weight"
+    mine = grads.get(name, [torch.zeros(VOCAB, HIDDEN)])[0]
+    total = mine.clone()
+    dist.all_reduce(total)
+    if name in grads:
+        grads[name] = [total]
+
+
+def _run_megatron(pp: int, layers: int, m: int, seed: int, tied: bool, forward_only: bool = False) -> Result:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = _megatron_layout(layers, pp, tied)
+    losses = _step(chunks, get_forward_backward_func(), m, seed, forward_only)
+    if forward_only:
+        return losses, {}
+    grads = _grads(chunks, tied)
+    _sum_megatron_tie(grads, tied, pp)
+    return losses, _union(grads)
+
+
+def _union(grads: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    """Every rank's reference grads, so any placement can look up any parameter."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grads)
+    out: dict[str, list[torch.Tensor]] = {}
+    for part in gathered:
+        for name, copies in part.items():
+            out.setdefault(name, copies)
+    return out
+
+
+def _run_ours(schedule: str, layers: int, m: int, seed: int, tied: bool, forward_only: bool = False) -> Result:
+    from dualpipe_megatron.megatron.schedule import make_forward_backward_func
+
+    chunks, options = _our_layout(schedule, layers, dist.get_world_size(), tied)
+    losses = _step(chunks, make_forward_backward_func(options), m, seed, forward_only)
+    return losses, ({} if forward_only else _grads(chunks, tied))
+
+
+def _compare(name: str, ref: Result, got: Result) -> dict:
+    """Losses on the last rank and every grad copy against the reference, relative max diff."""
+    (ref_losses, ref_grads), (losses, grads) = ref, got
+    problems, exact, worst = [], 0, 0.0
+    if len(losses) not in (0, len(ref_losses)):
+        problems.append(f"{len(losses)} losses, expected {len(ref_losses)}")
+    for a, b in zip(ref_losses, losses):
+        rel = _max_diff(a, b) / max(float(a.abs()), 1e-30)
+        worst = max(worst, rel)
+        problems += [f"loss rel diff {rel:.3g}"] if rel > TOLERANCE else []
+    for gname, copies in grads.items():
+        ref_grad = ref_grads[gname][0]
+        for g in copies:
+            diff = _max_diff(ref_grad, g)
+            rel = diff / max(float(ref_grad.abs().max()), 1e-30)
+            exact += diff == 0.0
+            worst = max(worst, rel)
+            if rel > TOLERANCE:
+                problems.append(f"{gname}: rel {rel:.3g}")
+    held: list = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (sorted(grads), len(losses), len(ref_losses)))
+    missing = set() if not grads else set(ref_grads) - {n for names, _, _ in held for n in names}
+    if missing:
+        problems.append(f"parameters on no rank: {sorted(missing)[:4]}")
+    counts = [count for _, count, _ in held]
+    if counts[:-1] != [0] * (len(held) - 1) or counts[-1] != max(ref for _, _, ref in held):
+        problems.append(f"losses on the last rank only expected, got counts {counts}")
+    copies = sum(len(c) for c in grads.values())
+    detail = f"{len(losses)} losses, {copies} grads ({exact} bitwise), worst rel diff {worst:.3g}"
+    if problems:
+        detail += "; " + ", ".join(problems[:6])
+    return _verdict(name, not problems, detail)
+
+
+def step_checks(pp: int) -> dict:
+    layers = 2 * pp
+    results: dict = {}
+    for tied in (False, True):
+        for m in (2 * pp, 3 * pp):
+            seed = 100 + m
+            pp1 = _run_megatron(1, layers, m, seed, tied)
+            onef1b = _run_megatron(pp, layers, m, seed, tied)
+            tag = f"p{pp}_m{m}_{'tied' if tied else 'untied'}"
+            results |= _compare(f"1f1b_vs_pp1_{tag}", pp1, onef1b)
+            for schedule in ("dualpipev", "dualpipe"):
+                got = _run_ours(schedule, layers, m, seed, tied)
+                results |= _compare(f"{schedule}_vs_pp1_{tag}", pp1, got)
+                results |= _compare(f"{schedule}_vs_1f1b_{tag}", onef1b, got)
+    m = 2 * pp
+    ref = _run_megatron(pp, layers, m, 5, False, forward_only=True)
+    for schedule in ("dualpipev", "dualpipe"):
+        results |= _compare(f"{schedule}_forward_only_p{pp}", ref,
+                            _run_ours(schedule, layers, m, 5, False, forward_only=True))
+    return results
+
+
+def _sharded_keys(chunks: list[torch.nn.Module]) -> set[tuple]:
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    keys = set()
+    for model in chunks:
+        for sh in nested_values(model.sharded_state_dict()):
+            if isinstance(sh, ShardedTensor):
+                keys.add((sh.key, tuple(sh.global_offset), tuple(sh.global_shape)))
+    return keys
+
+
+def _all(keys: set) -> set:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(keys))
+    return {k for part in gathered for k in part}
+
+
+def checkpoint_key_checks(pp: int) -> dict:
+    layers = 2 * pp
+    chunks, _ = _our_layout("dualpipev", layers, pp, tied=False)
+    numbers = sorted(layer.layer_number for c in chunks for layer in c.decoder.layers)
+    all_numbers: list = [None] * pp
+    dist.all_gather_object(all_numbers, numbers)
+    ours = _all(_sharded_keys(chunks))
+    theirs = _all(_sharded_keys(_megatron_layout(layers, pp, tied=False)))
+    flat = sorted(n for part in all_numbers for n in part)
+    ok = flat == list(range(1, layers + 1)) and ours == theirs
+    detail = f"layer numbers {flat}; {len(ours)} sharded keys, same as 1F1B: {ours == theirs}"
+    if ours != theirs:
+        detail += f"; only ours {sorted(ours - theirs)[:3]}, only 1F1B {sorted(theirs - ours)[:3]}"
+    return _verdict(f"dualpipev_checkpoint_keys_p{pp}", ok, detail)
+
+
+def mirror_checks(pp: int) -> dict:
+    """prepare_model makes DualPipe's two copies equal even when they were built different."""
+    from dualpipe_megatron.megatron.grads import mirrored_param_mismatch
+    from dualpipe_megatron.megatron.model import prepare_model
+    from dualpipe_megatron.megatron.schedule import stage_map_for
+
+    chunks, options = _our_layout("dualpipe", 2 * pp, pp, tied=False)
+    stage_map = stage_map_for("dualpipe", pp)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for p in chunks[1].parameters():
+            p.add_(1.0)  # direction-1 copies drift away
+    before = mirrored_param_mismatch(chunks, stage_map, rank, options.mirror_group)
+    prepare_model(chunks, options, rank, pp)
+    after = mirrored_param_mismatch(chunks, stage_map, rank, options.mirror_group)
+    shared = all(getattr(p, "shared", False) for p in chunks[1].parameters())
+    return _verdict(f"dualpipe_mirrors_p{pp}", before > 0.5 and after == 0.0 and shared,
+                    f"max copy difference {before:.3g} before prepare_model, {after:.3g} after; "
+                    f"direction-1 copies marked shared: {shared}")
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    install_cpu_compat()
+    pp = dist.get_world_size()
+    results = step_checks(pp) | checkpoint_key_checks(pp) | mirror_checks(pp)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,60 @@
+"""Our DualPipe/DualPipeV forward_backward_func on Megatron GPTModel (CPU, gloo, real processes).
+
+One launch per pipeline size runs every check (importing Megatron costs seconds per process):
+losses and every gradient against Megatron's own 1F1B at the same P and against PP=1, for
+tied and untied embeddings and M in {2P, 3P}; forward-only; checkpoint keys; mirrored copies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher import launch
+
+WORKER = Path(__file__).with_name("megatron_dualpipe_workers.py")
+TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
+    pp = request.param
+    return pp, launch(WORKER, pp, tmp_path_factory.mktemp(f"dualpipe_p{pp}"), TIMEOUT_S)
+
+
+def _check(results: tuple[int, dict], name: str) -> None:
+    pp, verdicts = results
+    key = name.format(pp=pp)
+    assert key in verdicts, f"{key} missing; have {sorted(verdicts)}"
+    assert verdicts[key]["ok"], verdicts[key]["detail"]
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+@pytest.mark.parametrize("tied", ["untied", "tied"])
+@pytest.mark.parametrize("reference", ["pp1", "1f1b"])
+@pytest.mark.parametrize("m_factor", [2, 3])
+def test_training_step_matches(results: tuple[int, dict], schedule: str, tied: str, reference: str,
+                               m_factor: int) -> None:
+    pp = results[0]
+    _check(results, f"{schedule}_vs_{reference}_p{pp}_m{m_factor * pp}_{tied}")
+
+
+@pytest.mark.parametrize("tied", ["untied", "tied"])
+def test_reference_1f1b_matches_pp1(results: tuple[int, dict], tied: str) -> None:
+    pp = results[0]
+    for m in (2 * pp, 3 * pp):
+        _check(results, f"1f1b_vs_pp1_p{pp}_m{m}_{tied}")
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_forward_only_matches_1f1b(results: tuple[int, dict], schedule: str) -> None:
+    _check(results, f"{schedule}_forward_only_p{{pp}}")
+
+
+def test_checkpoint_keys_match_1f1b(results: tuple[int, dict]) -> None:
+    _check(results, "dualpipev_checkpoint_keys_p{pp}")
+
+
+def test_prepare_model_equalises_mirrors(results: tuple[int, dict]) -> None:
+    _check(results, "dualpipe_mirrors_p{pp}")
