@@ -58,3 +58,9 @@ def test_checkpoint_keys_match_1f1b(results: tuple[int, dict]) -> None:
 
 def test_prepare_model_equalises_mirrors(results: tuple[int, dict]) -> None:
     _check(results, "dualpipe_mirrors_p{pp}")
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_ddp_finalize_and_per_token_loss_match_1f1b(results: tuple[int, dict], schedule: str) -> None:
+    """Megatron DDP (overlapped reduce, no_sync), finalize_model_grads, per-token loss, tied."""
+    _check(results, f"{schedule}_ddp_per_token_p{{pp}}")

@@ -1,0 +1,112 @@
+"""Placement, layer numbering, stage predicates and configuration errors (no processes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import LayerType
+
+from dualpipe_megatron.megatron.model import chunk_roles, check_configuration, dualpipe_layout
+from dualpipe_megatron.megatron.predicates import running_chunk, stage_map_active
+from dualpipe_megatron.megatron.schedule import stage_map_for, unsupported_options
+
+
+def test_dualpipev_roles_put_embedding_and_loss_on_rank_0() -> None:
+    stage_map = stage_map_for("dualpipev", 4)
+    roles = [chunk_roles(stage_map, r) for r in range(4)]
+    assert [[(x.stage, x.pre_process, x.post_process) for x in rank] for rank in roles] == [
+        [(0, True, False), (7, False, True)],
+        [(1, False, False), (6, False, False)],
+        [(2, False, False), (5, False, False)],
+        [(3, False, False), (4, False, False)],
+    ]
+
+
+def test_dualpipe_roles_mirror_the_model() -> None:
+    stage_map = stage_map_for("dualpipe", 4)
+    stages = [[x.stage for x in chunk_roles(stage_map, r)] for r in range(4)]
+    assert stages == [[0, 3], [1, 2], [2, 1], [3, 0]]
+    ends = [[(x.pre_process, x.post_process) for x in chunk_roles(stage_map, r)] for r in (0, 3)]
+    assert ends == [[(True, False), (False, True)], [(False, True), (True, False)]]
+
+
+def test_even_layout_numbers_layers_in_model_order() -> None:
+    layout = dualpipe_layout("dualpipev", 2, 8)
+    offsets = [[layout.get_layer_offset(vp_stage=c, pp_rank=r) for c in range(2)] for r in range(2)]
+    assert offsets == [[0, 6], [2, 4]]
+    assert layout.layout[0][0][0] == LayerType.embedding and layout.layout[0][1][-1] == LayerType.loss
+    layout.validate_layer_layout(num_layers=8, mtp_num_layers=None)
+
+
+def test_megatron_layout_string_is_read_in_stage_order() -> None:
+    layout = dualpipe_layout("dualpipev", 2, 6, "Et|tt|tt|tL")
+    offsets = [[layout.get_layer_offset(vp_stage=c, pp_rank=r) for c in range(2)] for r in range(2)]
+    assert offsets == [[0, 5], [1, 3]]
+    assert [[len([t for t in layout.layout[r][c] if t == LayerType.decoder]) for c in range(2)]
+            for r in range(2)] == [[1, 1], [2, 2]]
+    assert repr(layout) == "Et|tt|tt|tL"
+
+
+def test_dualpipe_layout_offsets_follow_each_direction() -> None:
+    layout = dualpipe_layout("dualpipe", 4, 8)
+    offsets = [[layout.get_layer_offset(vp_stage=c, pp_rank=r) for c in range(2)] for r in range(4)]
+    assert offsets == [[0, 6], [2, 4], [4, 2], [6, 0]]
+
+
+@pytest.mark.parametrize("args,message", [
+    (("dualpipe", 3, 12, 6), "needs an even pipeline-model-parallel size, got 3"),
+    (("dualpipe", 4, 9, 8), "needs an even number of micro-batches"),
+    (("dualpipev", 4, 7, 8), "needs at least 2 x pipeline size = 8 micro-batches per step, got 7"),
+    (("dualpipe", 4, 6, 8), "needs at least 2 x pipeline size = 8 micro-batches per step, got 6"),
+    (("dualpipev", 2, 4, 6), "num_layers (6) is not divisible by the 4 pipeline stages"),
+    (("dualpipev", 2, 4, 6, "Et|tt|tL"), "pipeline layout has 3 stages; this schedule needs 4"),
+    (("zigzag", 2, 4, 4), "unknown pipeline schedule 'zigzag'"),
+    (("dualpipev", 1, 4, 4), "needs pipeline-model-parallel size >= 2"),
+])
+def test_configuration_errors(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        check_configuration(*args)
+    assert message in str(err.value)
+
+
+def test_unsupported_options_are_named_with_reasons() -> None:
+    config = SimpleNamespace(variable_seq_lengths=True, mtp_num_layers=1,
+                             overlap_moe_expert_parallel_comm=True, defer_embedding_wgrad_compute=True)
+    reasons = unsupported_options(config, False, True, lambda x: x)
+    assert [r.split(" ")[0] for r in reasons] == [
+        "variable_seq_lengths", "multi-token", "overlap_moe_expert_parallel_comm",
+        "defer_embedding_wgrad_compute", "collect_non_loss_data", "adjust_tensor_shapes_fn",
+    ]
+    clean = SimpleNamespace(variable_seq_lengths=False, mtp_num_layers=None)
+    assert unsupported_options(clean, False, False, None) == []
+
+
+@pytest.fixture
+def pipeline_rank():
+    """Pretend to be a given pipeline rank of 4 with 2 virtual stages."""
+    def set_rank(rank: int) -> None:
+        parallel_state.set_pipeline_model_parallel_rank(rank)
+        parallel_state.set_pipeline_model_parallel_world_size(4)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(2)
+    yield set_rank
+    parallel_state.set_pipeline_model_parallel_rank(None)
+    parallel_state.set_pipeline_model_parallel_world_size(None)
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+
+
+def test_predicates_answer_for_the_chunk_being_run(pipeline_rank) -> None:
+    pipeline_rank(0)
+    with stage_map_active(stage_map_for("dualpipev", 4)):
+        first, last = parallel_state.is_pipeline_first_stage, parallel_state.is_pipeline_last_stage
+        assert first(ignore_virtual=False, vp_stage=0) and not last(ignore_virtual=False, vp_stage=0)
+        assert last(ignore_virtual=False, vp_stage=1) and not first(ignore_virtual=False, vp_stage=1)
+        assert first() and last()  # rank 0 holds both ends
+        with running_chunk(1):
+            assert last() and not first()
+        pipeline_rank(3)
+        assert not first() and not last()
+    # Outside our schedule Megatron's own answers come back: rank 3 of 4 is the last.
+    assert last(ignore_virtual=False, vp_stage=1) and not last(ignore_virtual=False, vp_stage=0)
