@@ -14,7 +14,7 @@ marked ``shared`` so grad-norm and zero counting see each parameter once.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -142,9 +142,3 @@ def mirrored_param_mismatch(model: Sequence[nn.Module], stage_map: StageMap, ran
         worst = torch.maximum(worst, (both[0] - both[1]).abs().max())
     return float(worst)
 
-
-def unwrapped(chunks: Iterable[nn.Module]) -> list[nn.Module]:
-    """The model chunks under Megatron's DDP/Float16 wrappers."""
-    from megatron.core.utils import unwrap_model
-
-    return list(unwrap_model(list(chunks)))

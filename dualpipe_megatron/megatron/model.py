@@ -10,6 +10,7 @@ it holds the embedding (``pre_process``) or the output layer and loss
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -90,7 +91,34 @@ def prepare_model(model: Sequence[nn.Module], options: DualPipeOptions, rank: in
         options.mirror_group = build_mirror_group()
         broadcast_mirrored_params(model, stage_map, rank, options.mirror_group)
         mark_mirror_copies_shared(model)
+        save_mirror_copies_as_replicas(model[1])
     return options
+
+
+def _as_replica(sharded: Any) -> None:
+    rid = sharded.replica_id
+    sharded.replica_id = (rid[0] + 1, *rid[1:]) if isinstance(rid, tuple) else rid + 1
+
+
+def save_mirror_copies_as_replicas(chunk: nn.Module) -> None:
+    """DualPipe's direction-1 copy saves as a replica of direction 0's, so a checkpoint holds
+    each parameter once (the same convention as Megatron's tied output-layer copy) and loads
+    into every copy, under any schedule."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.utils import unwrap_model
+
+    module = unwrap_model(chunk)  # Megatron's checkpointing unwraps DDP/Float16 before asking
+    original = module.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(*args: Any, **kwargs: Any) -> dict:
+        state = original(*args, **kwargs)
+        for sharded in nested_values(state):
+            if hasattr(sharded, "replica_id"):
+                _as_replica(sharded)
+        return state
+
+    module.sharded_state_dict = sharded_state_dict
 
 
 def embedding_ranks(pp_ranks: list[int], *_: Any) -> list[int]:

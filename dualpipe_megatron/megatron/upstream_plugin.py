@@ -1,0 +1,103 @@
+"""``--pipeline-schedule`` through Megatron's schedule extension point instead of runtime patches.
+
+``patches/megatron-core-0.19.2-schedule-extension-point.patch`` adds
+``megatron.training.schedule_plugins`` to megatron-core: the training loop calls a registered
+plugin's hooks where :func:`training_support.install` would otherwise replace Megatron
+functions. :class:`DualPipeSchedulePlugin` implements those hooks with ``training_support``'s
+own logic, so both routes build, schedule and check exactly the same way.
+
+Only the two stage predicates (``megatron.core.parallel_state.is_pipeline_first_stage`` and
+``is_pipeline_last_stage``) are still replaced at runtime: they are megatron-core, not the
+training loop, and our schedule activates its stage map through them (``stage_map_active``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Any, Callable
+
+from .guard import check_version
+from .model import chunk_roles, embedding_ranks, prepare_model
+from .schedule import make_forward_backward_func
+from .training_support import (
+    activate_job_stage_map, active_options, add_arguments, check_checkpoint_schedule, install,
+    pipeline_position, post_validate, pre_validate,
+)
+
+EXTENSION_POINT = "megatron.training.schedule_plugins"
+
+
+class DualPipeSchedulePlugin:
+    """Megatron schedule plugin for ``--pipeline-schedule``; every hook is inert unless the
+    validated arguments chose dualpipe or dualpipev."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return add_arguments(parser)
+
+    def pre_validate_args(self, args: argparse.Namespace) -> None:
+        pre_validate(args)
+
+    def post_validate_args(self, args: argparse.Namespace) -> None:
+        post_validate(args)
+
+    def get_embedding_ranks(self, args: argparse.Namespace) -> Callable | None:
+        return None if active_options() is None else embedding_ranks
+
+    def model_chunk_pre_post_process(self, args: argparse.Namespace, vp_stage: int | None,
+                                     pre_process: bool, post_process: bool) -> tuple[bool, bool]:
+        options = active_options()
+        if options is None:
+            return pre_process, post_process
+        rank, size = pipeline_position()
+        role = chunk_roles(activate_job_stage_map(options, size), rank)[vp_stage]
+        return role.pre_process, role.post_process
+
+    def finalize_model(self, args: argparse.Namespace, model: list[Any]) -> list[Any]:
+        options = active_options()
+        if options is not None:
+            prepare_model(model, options, *pipeline_position())
+        return model
+
+    def get_forward_backward_func(self, args: argparse.Namespace, **_: Any) -> Callable | None:
+        options = active_options()
+        return None if options is None else make_forward_backward_func(options)
+
+    def check_checkpoint_args(self, args: argparse.Namespace, checkpoint_args: Any) -> None:
+        # Megatron has already run its own checks; only ours remain.
+        check_checkpoint_schedule(args, checkpoint_args)
+
+
+PLUGIN = DualPipeSchedulePlugin()
+
+
+def has_extension_point() -> bool:
+    """Whether the installed megatron carries the schedule extension point (the patch)."""
+    return importlib.util.find_spec(EXTENSION_POINT) is not None
+
+
+def register() -> DualPipeSchedulePlugin:
+    """Register :data:`PLUGIN` with the patched megatron (idempotent); call before Megatron
+    parses its arguments."""
+    check_version()
+    if not has_extension_point():
+        raise RuntimeError(
+            f"{EXTENSION_POINT} not found: apply patches/megatron-core-0.19.2-schedule-extension-"
+            f"point.patch to megatron-core, or use training_support.install() (runtime patches)")
+    importlib.import_module(EXTENSION_POINT).register_schedule_plugin(PLUGIN)
+    return PLUGIN
+
+
+def install_for_megatron() -> str:
+    """Enable ``--pipeline-schedule`` the least invasive way this megatron allows: the plugin
+    where the extension point exists, else runtime patches. Returns ``"plugin"`` or
+    ``"runtime-patches"``."""
+    if has_extension_point():
+        register()
+        return "plugin"
+    install()
+    return "runtime-patches"
+
+
+__all__ = ["EXTENSION_POINT", "PLUGIN", "DualPipeSchedulePlugin", "has_extension_point",
+           "install_for_megatron", "register"]

@@ -1,0 +1,75 @@
+"""Run Megatron pretraining jobs (torchrun, CPU, gloo, mock data) and read their logged losses.
+
+Every comparison starts from one checkpoint made by a PP=1 run with learning rate 0, because
+Megatron seeds each pipeline rank differently and two layouts would otherwise start from
+different weights.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PRETRAIN = REPO / "scripts" / "pretrain_gpt.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
+# Evaluation during training, then on the validation and test sets after it.
+EVAL = re.compile(r"validation loss at iteration (\d+(?: on \w+ set)?) \| lm loss value: ([0-9.E+-]+)")
+
+MODEL = ("--num-layers 8 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+         "--max-position-embeddings 8 --vocab-size 64 --position-embedding-type learned_absolute "
+         "--hidden-dropout 0 --attention-dropout 0").split()
+CPU = ("--distributed-backend gloo --transformer-impl local --use-cpu-initialization "
+       "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
+       "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm").split()
+DATA = ("--mock-data --tokenizer-type NullTokenizer --micro-batch-size 1 --global-batch-size 16 "
+        "--seed 1234 --log-interval 1 --eval-interval 1000 --eval-iters 0").split()
+TRAIN = "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1".split()
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def run(name: str, out: Path, nproc: int, args: list[str], command: list[str] | None = None,
+        timeout: float = 400, expect_failure: bool = False) -> str:
+    """One torchrun job; returns its log (raises RunFailed with the log tail if it fails)."""
+    log = out / f"{name}.log"
+    cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           *(command or [str(PRETRAIN)]), *MODEL, *CPU, *DATA, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    with log.open("w") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                              timeout=timeout).returncode
+    text = log.read_text(errors="replace")
+    if (code != 0) != expect_failure:
+        raise RunFailed(f"{name}: exit code {code}\n{' '.join(cmd)}\n{text[-6000:]}")
+    return text
+
+
+def losses(log: str) -> dict[int, float]:
+    return {int(it): float(value) for it, value in LOSS.findall(log)}
+
+
+def grad_norms(log: str) -> dict[int, float]:
+    return {int(it): float(value) for it, value in GRAD_NORM.findall(log)}
+
+
+def eval_losses(log: str) -> dict[str, float]:
+    return {when: float(value) for when, value in EVAL.findall(log)}
+
+
+def init_checkpoint(out: Path) -> Path:
+    """Iteration 1 at PP=1 with learning rate 0: the shared starting weights."""
+    path = out / "init"
+    run("init", out, 1, ["--train-iters", "1", "--lr", "0", "--min-lr", "0", "--lr-decay-style",
+                         "constant", "--lr-warmup-iters", "0", "--save", str(path),
+                         "--save-interval", "1"])
+    return path

@@ -1,0 +1,108 @@
+"""``--pipeline-schedule`` through ``megatron.training.pretrain`` (4 CPU processes, gloo, mock data).
+
+All runs start from one PP=1 checkpoint and train iterations 2..7. Under dualpipev and dualpipe
+the logged ``lm loss`` must equal 1F1B's at every iteration (1e-5 relative), at P=4 and at
+P=2 x DP=2 with the distributed optimizer and overlapped grad reduce; checkpoints saved at
+iteration 4 under one schedule resume under another (and at another P) with the losses of the
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pretrain_runs import REPO, TRAIN, RunFailed, eval_losses, grad_norms, init_checkpoint, losses, run
+
+ITERS = ["--train-iters", "7"]
+RTOL = 1e-5
+P4 = ["--pipeline-model-parallel-size", "4"]
+P2DP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+LAUNCH = ["-m", "dualpipe_megatron.launch", str(REPO / "tests" / "stock_pretrain_gpt.py")]
+
+
+EVAL_FLAGS = ["--eval-iters", "1", "--eval-interval", "3"]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("pretrain")
+    init = init_checkpoint(out)
+    start = ["--load", str(init), "--no-load-optim", "--no-load-rng", *TRAIN, *ITERS]
+    got: dict[str, dict] = {}
+    try:
+        for name, args in (("1f1b_p4", [*P4, "--pipeline-schedule", "1f1b"]),
+                           ("dualpipev_p4", [*P4, "--pipeline-schedule", "dualpipev"]),
+                           ("dualpipe_p4", [*P4, "--pipeline-schedule", "dualpipe"])):
+            save = ["--save", str(out / name), "--save-interval", "4", *EVAL_FLAGS]
+            command = LAUNCH if name == "dualpipev_p4" else None
+            log = run(name, out, 4, [*start, *args, *save], command=command)
+            got[name] = losses(log)
+            got[f"{name}_eval"] = eval_losses(log)
+            got[f"{name}_grad_norm"] = grad_norms(log)
+        for name in ("1f1b", "dualpipev", "dualpipe"):
+            got[f"{name}_p2dp2"] = losses(run(f"{name}_p2dp2", out, 4,
+                                              [*start, *P2DP2, "--pipeline-schedule", name]))
+        resume = [*TRAIN, *ITERS, "--no-load-rng"]
+        for name, ckpt, args in (("1f1b_to_1f1b_p4", "1f1b_p4", [*P4, "--pipeline-schedule", "1f1b"]),
+                                 ("v_to_1f1b_p4", "dualpipev_p4", [*P4, "--pipeline-schedule", "1f1b"]),
+                                 ("1f1b_to_v_p4", "1f1b_p4", [*P4, "--pipeline-schedule", "dualpipev"]),
+                                 ("v_p4_to_1f1b_p2dp2", "dualpipev_p4",
+                                  ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"])):
+            log = run(name, out, 4, [*resume, "--load", str(out / ckpt), "--ckpt-step", "4", *args])
+            got[name], got[f"{name}_grad_norm"] = losses(log), grad_norms(log)
+        refused = run("refuse_distopt", out, 4, [*resume, "--load", str(out / "dualpipev_p4"), *P4,
+                                                 "--ckpt-step", "4",
+                                                 "--pipeline-schedule", "1f1b", "--use-distributed-optimizer"],
+                      expect_failure=True)
+        got["refuse_distopt"] = {1: float("saved under --pipeline-schedule dualpipev" in refused)}
+    except RunFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return got
+
+
+def _same(ref: dict[int, float], got: dict[int, float], iterations: range) -> None:
+    assert [i for i in iterations if i not in got] == [], f"missing iterations; got {sorted(got)}"
+    for i in iterations:
+        assert got[i] == pytest.approx(ref[i], rel=RTOL), f"iteration {i}: {got[i]} vs {ref[i]}"
+
+
+def test_losses_fall_and_are_logged(jobs: dict) -> None:
+    assert sorted(jobs["1f1b_p4"]) == list(range(2, 8))
+    assert jobs["1f1b_p4"][7] < jobs["1f1b_p4"][2]
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_p4_matches_1f1b(jobs: dict, schedule: str) -> None:
+    _same(jobs["1f1b_p4"], jobs[f"{schedule}_p4"], range(2, 8))
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_p2_dp2_distributed_optimizer_overlap_matches_1f1b(jobs: dict, schedule: str) -> None:
+    _same(jobs["1f1b_p2dp2"], jobs[f"{schedule}_p2dp2"], range(2, 8))
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_evaluation_matches_1f1b(jobs: dict, schedule: str) -> None:
+    ref, got = jobs["1f1b_p4_eval"], jobs[f"{schedule}_p4_eval"]
+    assert sorted(ref) == ["3", "6", "7 on test set", "7 on validation set"], ref
+    assert got == pytest.approx(ref, rel=RTOL)
+
+
+@pytest.mark.parametrize("resumed", ["v_to_1f1b_p4", "1f1b_to_v_p4", "v_p4_to_1f1b_p2dp2"])
+def test_checkpoints_move_between_schedules(jobs: dict, resumed: str) -> None:
+    """Resuming under another schedule (or P) logs what resuming under the same one logs, and
+    the uninterrupted run's losses and grad norms.
+
+    Megatron's first log after a resume is followed by one that averages two iterations (the
+    same with 1F1B -> 1F1B: iteration 6 reports the mean of iterations 5 and 6), so iteration 6
+    is compared with the same-schedule resume; iterations 5 and 7 and every grad norm with the
+    uninterrupted run."""
+    _same(jobs["1f1b_to_1f1b_p4"], jobs[resumed], range(5, 8))
+    _same(jobs["1f1b_p4"], jobs[resumed], range(5, 8, 2))
+    _same(jobs["1f1b_p4_grad_norm"], jobs[f"{resumed}_grad_norm"], range(5, 8))
+
+
+def test_distributed_optimizer_state_from_another_schedule_is_refused(jobs: dict) -> None:
+    assert jobs["refuse_distopt"][1] == 1.0

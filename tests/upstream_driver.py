@@ -1,0 +1,78 @@
+"""One rank of a test training run: ``upstream_driver.py MODE SCRIPT [megatron flags...]``.
+
+Installs the CPU layer, then enables ``--pipeline-schedule`` per MODE (``auto``:
+``upstream_plugin.install_for_megatron()``; ``none``: nothing), runs the stock SCRIPT as
+``__main__`` and prints one ``UPSTREAM_REPORT {json}`` line saying which megatron ran, which
+schedule symbols were replaced at runtime and which forward_backward_func the plugin supplied.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import runpy
+import sys
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat  # noqa: E402
+from dualpipe_megatron.megatron.guard import is_patched  # noqa: E402
+from dualpipe_megatron.megatron import upstream_plugin  # noqa: E402
+
+# What training_support.install() replaces, besides the core stage predicates.
+SCHEDULE_SYMBOLS = (
+    ("megatron.training.arguments", "add_megatron_arguments"),
+    ("megatron.training.arguments", "validate_args"),
+    ("megatron.core.parallel_state", "initialize_model_parallel"),
+    ("megatron.training.training", "get_model"),
+    ("megatron.training.training", "get_forward_backward_func"),
+    ("megatron.training.checkpointing", "check_checkpoint_args"),
+)
+
+
+def _record_schedules(plugin: upstream_plugin.DualPipeSchedulePlugin, seen: list[str]) -> None:
+    """Note the qualified name of every forward_backward_func the plugin hands Megatron."""
+    supply = plugin.get_forward_backward_func
+
+    def recording(*args: Any, **kwargs: Any) -> Callable | None:
+        func = supply(*args, **kwargs)
+        seen.append("" if func is None else f"{func.__module__}.{func.__qualname__}")
+        return func
+
+    plugin.get_forward_backward_func = recording
+
+
+def main() -> None:
+    mode, script, *flags = sys.argv[1:]
+    install_cpu_compat()
+    route, schedules = "none", []
+    if mode == "auto":
+        route = upstream_plugin.install_for_megatron()
+        if route == "plugin":
+            _record_schedules(upstream_plugin.PLUGIN, schedules)
+    sys.argv = [script, *flags]
+    runpy.run_path(script, run_name="__main__")
+
+    import megatron.training.training as training
+
+    registered = None
+    if upstream_plugin.has_extension_point():
+        plugin = importlib.import_module(upstream_plugin.EXTENSION_POINT).get_schedule_plugin()
+        registered = None if plugin is None else type(plugin).__name__
+    report = {
+        "route": route,
+        "megatron_training": os.path.dirname(training.__file__),
+        "get_model_file": inspect.getsourcefile(training.get_model),
+        "patched": [f"{module}.{name}" for module, name in SCHEDULE_SYMBOLS
+                    if is_patched(importlib.import_module(module), name)],
+        "registered_plugin": registered,
+        "plugin_schedules": schedules,
+    }
+    print("UPSTREAM_REPORT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
