@@ -316,11 +316,196 @@ def ddp_checks(pp: int) -> dict:
     return results
 
 
+def _linear_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Weights of Megatron's local linears: the ones a w:false backward defers."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return {f"{name}.weight": mod.weight for name, mod in model.named_modules()
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and mod.weight is not None}
+
+
+def _deferred_backward_check(ddp: bool) -> dict:
+    """One micro-batch: a w:false backward leaves every linear weight's grad untouched; its W
+    then gives exactly the full backward's grads."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from dualpipe_megatron.megatron.wgrad_megatron import install_linear_deferral
+    from dualpipe_megatron.runtime.wgrad import WeightGradStore, deferring
+
+    install_linear_deferral()
+    batch = _batches(3, 1)[0]
+    grads = []
+    for defer in (False, True):
+        (model,) = _megatron_layout(2, 1, False)
+        wrapped = model
+        if ddp:
+            wrapped = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+            wrapped.zero_grad_buffer()
+        read = (lambda p: p.main_grad.clone()) if ddp else (lambda p: None if p.grad is None else p.grad.clone())
+        loss = wrapped(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean()
+        before = {n: read(p) for n, p in _linear_weights(model).items()}
+        with deferring("mb0", enabled=defer):
+            loss.backward()
+        after_b = {n: read(p) for n, p in _linear_weights(model).items()}
+        untouched = all((a is None and b is None) or (a is not None and torch.equal(a, b))
+                        for a, b in zip(before.values(), after_b.values()))
+        if defer:
+            WeightGradStore.pop("mb0")
+        grads.append(({n: read(p) for n, p in _linear_weights(model).items()}, untouched))
+    (full, _), (split, untouched) = grads
+    changed = [n for n in full if not torch.equal(full[n], split[n])]
+    ok = untouched and not changed and len(full) > 0
+    what = "main_grad" if ddp else ".grad"
+    return _verdict(f"wgrad_split_{'ddp' if ddp else 'plain'}_p{dist.get_world_size()}", ok,
+                    f"{len(full)} linear weights: {what} untouched by the w:false B: {untouched}; "
+                    f"equal to the full backward after W: {not changed} {changed[:3]}")
+
+
+def _train_steps(schedule: str, defer: bool, steps: int = 3) -> tuple[dict[str, torch.Tensor], int]:
+    """Three optimizer steps with Megatron DDP (overlapped grad reduce): the parameters after,
+    and how many weight-grad closures the W ops ran."""
+    from megatron.core.distributed import (
+        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from dualpipe_megatron.megatron.schedule import make_forward_backward_func
+
+    pp = dist.get_world_size()
+    chunks, options = _our_layout(schedule, 2 * pp, pp, True)
+    options.defer_weight_grads = defer
+    wrapped = [DistributedDataParallel(c.config, DistributedDataParallelConfig(overlap_grad_reduce=True),
+                                       c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    config = chunks[0].config
+    config.no_sync_func = [w.no_sync for w in wrapped]
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0), wrapped)
+    fb = make_forward_backward_func(options)
+    deferred = 0
+    for step in range(steps):
+        for w in wrapped:
+            w.zero_grad_buffer()
+        optimizer.zero_grad()
+        _step(wrapped, fb, 2 * pp, 300 + step)
+        deferred += options.last_stats.deferred
+        optimizer.step()
+    params = {f"{c}.{n}": p.detach().clone() for c, m in enumerate(chunks) for n, p in m.named_parameters()}
+    return params, deferred
+
+
+def wgrad_checks(pp: int) -> dict:
+    results = _deferred_backward_check(ddp=False) | _deferred_backward_check(ddp=True)
+    for schedule in ("dualpipev", "dualpipe"):
+        (on, deferred_on), (off, deferred_off) = _train_steps(schedule, True), _train_steps(schedule, False)
+        worst = max(float((on[n] - off[n]).abs().max() / off[n].abs().max().clamp(min=1e-30)) for n in on)
+        moved = sum(1 for n in on if not torch.equal(on[n], off[n]))
+        results |= _verdict(f"wgrad_overlap_reduce_{schedule}_p{pp}",
+                            worst <= TOLERANCE and deferred_on > 0 and deferred_off == 0,
+                            f"3 Adam steps, overlapped grad reduce: {deferred_on} weight-grad closures "
+                            f"deferred to W ops (off: {deferred_off}); parameters on vs off differ by "
+                            f"{worst:.3g} relative at most ({moved} of {len(on)} not bitwise)")
+    return results
+
+
+def _fp8_events(build, forward_backward, layers: int, m: int) -> dict[tuple[int, int], list]:
+    """Per chunk (rank, model stage), in order: its first-micro-batch flags and FP8-context
+    entries during one step.
+
+    FP8 itself needs Transformer Engine; here the config says fp8 and the context factory
+    TransformerBlock calls is a recorder, so the sequence of entries is what is compared.
+    """
+    from contextlib import nullcontext
+
+    from megatron.core.transformer import module as mcore_module, transformer_block
+
+    events: list[tuple] = []
+
+    def record_context(config, layer_no: int = -1, is_init: bool = False):
+        events.append(("fp8", layer_no))
+        return nullcontext()
+
+    def record_first(self) -> None:
+        events.append(("first", tuple(layer.layer_number - 1 for layer in self.decoder.layers)))
+
+    saved = (transformer_block.get_fp8_context, mcore_module.MegatronModule.set_is_first_microbatch)
+    transformer_block.get_fp8_context = record_context
+    mcore_module.MegatronModule.set_is_first_microbatch = record_first
+    try:
+        chunks = build()
+        for c in chunks:
+            c.config.fp8, c.config.fp8_recipe = "e4m3", "tensorwise"
+        _step(chunks, forward_backward(), m, 9)
+    finally:
+        transformer_block.get_fp8_context, mcore_module.MegatronModule.set_is_first_microbatch = saved
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, events)
+    per_chunk: dict[tuple[int, tuple], list] = {}
+    for rank, rank_events in enumerate(gathered):
+        chunk_of = {layer: chunk for kind, chunk in rank_events if kind == "first" for layer in chunk}
+        for kind, what in rank_events:
+            chunk = what if kind == "first" else chunk_of.get(what)
+            per_chunk.setdefault((rank, chunk), []).append((kind, what))
+    return per_chunk
+
+
+def _forwards_per_layer(per_chunk: dict) -> tuple[dict[int, int], list]:
+    """How many forwards each layer ran in FP8 context, and the chunks whose sequence is not
+    'one first-micro-batch flag, then whole forwards of its layers in order'."""
+    counts: dict[int, int] = {}
+    bad = []
+    for (rank, chunk), seq in per_chunk.items():
+        entries = [what for kind, what in seq[1:]]
+        n = len(entries) // max(len(chunk or ()), 1)
+        if chunk is None or seq[0] != ("first", chunk) or entries != list(chunk) * n:
+            bad.append((rank, chunk))
+            continue
+        for layer in chunk:
+            counts[layer] = counts.get(layer, 0) + n
+    return counts, bad
+
+
+def fp8_checks(pp: int) -> dict:
+    """FP8-context entries and first-micro-batch flags per chunk equal Megatron interleaved's
+    for the same micro-batches (DualPipe: each copy of a stage runs half of them)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from dualpipe_megatron.megatron.schedule import make_forward_backward_func
+
+    layers, m = 2 * pp, 2 * pp
+
+    def interleaved() -> list[torch.nn.Module]:
+        _parallel(pp, 2, tied_local=False)
+        config = _config(layers, pp, 2)
+        return [_gpt(config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                     ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v), False, v) for v in range(2)]
+
+    ref_counts, ref_bad = _forwards_per_layer(_fp8_events(interleaved, get_forward_backward_func, layers, m))
+    results: dict = {}
+    for schedule in ("dualpipev", "dualpipe"):
+        state: dict = {}
+
+        def ours() -> list[torch.nn.Module]:
+            chunks, state["options"] = _our_layout(schedule, layers, pp, False)
+            return chunks
+
+        got = _fp8_events(ours, lambda: make_forward_backward_func(state["options"]), layers, m)
+        counts, bad = _forwards_per_layer(got)
+        expected = {layer: m for layer in range(layers)}
+        ok = not bad and not ref_bad and counts == ref_counts == expected
+        detail = (f"{len(got)} chunks; each: one first-micro-batch flag, then whole forwards of its "
+                  f"layers under FP8 context: {not bad} {bad[:3]}; forwards per layer {counts} "
+                  f"(interleaved {ref_counts})")
+        results |= _verdict(f"fp8_sequence_{schedule}_p{pp}", ok, detail)
+    return results
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     install_cpu_compat()
     pp = dist.get_world_size()
-    results = step_checks(pp) | ddp_checks(pp) | checkpoint_key_checks(pp) | mirror_checks(pp)
+    results = (step_checks(pp) | ddp_checks(pp) | wgrad_checks(pp) | fp8_checks(pp)
+               | checkpoint_key_checks(pp) | mirror_checks(pp))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

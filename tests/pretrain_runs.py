@@ -39,7 +39,7 @@ class RunFailed(RuntimeError):
 
 
 def run(name: str, out: Path, nproc: int, args: list[str], command: list[str] | None = None,
-        timeout: float = 400, expect_failure: bool = False) -> str:
+        timeout: float = 400) -> str:
     """One torchrun job; returns its log (raises RunFailed with the log tail if it fails)."""
     log = out / f"{name}.log"
     cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
@@ -49,7 +49,7 @@ def run(name: str, out: Path, nproc: int, args: list[str], command: list[str] | 
         code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                               timeout=timeout).returncode
     text = log.read_text(errors="replace")
-    if (code != 0) != expect_failure:
+    if code != 0:
         raise RunFailed(f"{name}: exit code {code}\n{' '.join(cmd)}\n{text[-6000:]}")
     return text
 

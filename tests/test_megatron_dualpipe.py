@@ -14,7 +14,7 @@ import pytest
 from launcher import launch
 
 WORKER = Path(__file__).with_name("megatron_dualpipe_workers.py")
-TIMEOUT_S = 420
+TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -64,3 +64,23 @@ def test_prepare_model_equalises_mirrors(results: tuple[int, dict]) -> None:
 def test_ddp_finalize_and_per_token_loss_match_1f1b(results: tuple[int, dict], schedule: str) -> None:
     """Megatron DDP (overlapped reduce, no_sync), finalize_model_grads, per-token loss, tied."""
     _check(results, f"{schedule}_ddp_per_token_p{{pp}}")
+
+
+@pytest.mark.parametrize("ddp", ["plain", "ddp"])
+def test_w_false_backward_defers_linear_weight_grads(results: tuple[int, dict], ddp: str) -> None:
+    """Under a w:false B every Megatron linear's .grad/main_grad is untouched; after its W it
+    equals the full backward's, bit for bit."""
+    _check(results, f"wgrad_split_{ddp}_p{{pp}}")
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_deferral_with_overlapped_grad_reduce_keeps_parameters(results: tuple[int, dict], schedule: str) -> None:
+    """3 Adam steps with DDP's overlapped grad reduce: deferral on and off end equal."""
+    _check(results, f"wgrad_overlap_reduce_{schedule}_p{{pp}}")
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_fp8_contexts_and_first_microbatch_flags_match_interleaved(results: tuple[int, dict], schedule: str) -> None:
+    """Recorded (TE is not installable here): each chunk gets one first-micro-batch flag, then
+    whole forwards of its layers under FP8 context; every layer as often as under interleaved."""
+    _check(results, f"fp8_sequence_{schedule}_p{{pp}}")

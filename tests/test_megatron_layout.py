@@ -110,3 +110,43 @@ def test_predicates_answer_for_the_chunk_being_run(pipeline_rank) -> None:
         assert not first() and not last()
     # Outside our schedule Megatron's own answers come back: rank 3 of 4 is the last.
     assert last(ignore_virtual=False, vp_stage=1) and not last(ignore_virtual=False, vp_stage=0)
+
+
+def _args(**kw: object) -> SimpleNamespace:
+    base = dict(pipeline_schedule=None, virtual_pipeline_model_parallel_size=None,
+                use_distributed_optimizer=True, no_load_optim=False,
+                dist_ckpt_optim_fully_reshardable=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_distributed_optimizer_state_of_another_schedule_is_refused() -> None:
+    from dualpipe_megatron.megatron.training_support import check_checkpoint_schedule
+
+    saved = _args(pipeline_schedule="dualpipev", virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(RuntimeError, match="saved under --pipeline-schedule dualpipev, the run uses 1f1b"):
+        check_checkpoint_schedule(_args(), saved)
+    # Fine: same schedule, no optimizer load, a reshardable format, or a plain optimizer.
+    check_checkpoint_schedule(_args(pipeline_schedule="dualpipev"), saved)
+    check_checkpoint_schedule(_args(no_load_optim=True), saved)
+    check_checkpoint_schedule(_args(dist_ckpt_optim_fully_reshardable=True), saved)
+    check_checkpoint_schedule(_args(use_distributed_optimizer=False), saved)
+    # A checkpoint from before the flag existed counts as Megatron's own choice.
+    check_checkpoint_schedule(_args(pipeline_schedule="1f1b"), SimpleNamespace())
+
+
+def test_fp8_without_transformer_engine_is_refused() -> None:
+    import importlib.util
+
+    from dualpipe_megatron.megatron.training_support import pre_validate
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    args = SimpleNamespace(pipeline_schedule="dualpipev", pipeline_model_parallel_size=2, num_layers=4,
+                           dualpipe_layout=None, fp8="e4m3", pipeline_model_parallel_layout=None,
+                           num_layers_per_virtual_pipeline_stage=None,
+                           num_virtual_stages_per_pipeline_rank=None,
+                           decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+    with pytest.raises(ValueError, match="with FP8/FP4 needs Transformer Engine, which is not installed"):
+        pre_validate(args)
+    args.fp8 = None
+    pre_validate(args)  # the same configuration without FP8 is fine

@@ -4,7 +4,9 @@ All runs start from one PP=1 checkpoint and train iterations 2..7. Under dualpip
 the logged ``lm loss`` must equal 1F1B's at every iteration (1e-5 relative), at P=4 and at
 P=2 x DP=2 with the distributed optimizer and overlapped grad reduce; checkpoints saved at
 iteration 4 under one schedule resume under another (and at another P) with the losses of the
-uninterrupted run.
+uninterrupted run. (The refusal of a distributed-optimizer state saved under another schedule
+is unit-tested in test_megatron_layout.py: resuming a distributed optimizer fails inside
+Megatron on CPU with torch's Adam, before any schedule check could run.)
 """
 
 from __future__ import annotations
@@ -52,11 +54,6 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                                   ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"])):
             log = run(name, out, 4, [*resume, "--load", str(out / ckpt), "--ckpt-step", "4", *args])
             got[name], got[f"{name}_grad_norm"] = losses(log), grad_norms(log)
-        refused = run("refuse_distopt", out, 4, [*resume, "--load", str(out / "dualpipev_p4"), *P4,
-                                                 "--ckpt-step", "4",
-                                                 "--pipeline-schedule", "1f1b", "--use-distributed-optimizer"],
-                      expect_failure=True)
-        got["refuse_distopt"] = {1: float("saved under --pipeline-schedule dualpipev" in refused)}
     except RunFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
@@ -103,6 +100,3 @@ def test_checkpoints_move_between_schedules(jobs: dict, resumed: str) -> None:
     _same(jobs["1f1b_p4"], jobs[resumed], range(5, 8, 2))
     _same(jobs["1f1b_p4_grad_norm"], jobs[f"{resumed}_grad_norm"], range(5, 8))
 
-
-def test_distributed_optimizer_state_from_another_schedule_is_refused(jobs: dict) -> None:
-    assert jobs["refuse_distopt"][1] == 1.0

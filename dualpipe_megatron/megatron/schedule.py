@@ -23,12 +23,13 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
-from ..runtime.executor import Executor, StepData
+from ..runtime.executor import Executor, StepData, StepStats
 from ..runtime.p2p import P2P, MessagePlan
 from ..schedules import Schedule, ScheduleError, build_schedule, validate
 from .grads import sum_mirrored_grads, sum_tied_embedding_grads
 from .predicates import running_chunk, stage_map_active
 from .topology import StageMap
+from .wgrad_megatron import install_linear_deferral
 
 SCHEDULES = ("dualpipev", "dualpipe")
 
@@ -40,7 +41,10 @@ class DualPipeOptions:
     schedule: str = "dualpipev"
     timeout: float = 600.0
     debug_p2p: bool = False
+    defer_weight_grads: bool = True  # B(w:false) defers Megatron linears' weight grads to its W
+    trace_dir: str | None = None  # record every executed op (see dualpipe_megatron.trace)
     mirror_group: dist.ProcessGroup | None = None  # DualPipe only, from prepare_model
+    last_stats: StepStats | None = None  # the executor's counters of the latest step
     _plans: dict = field(default_factory=dict)
 
 
@@ -192,6 +196,8 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
     """A function with the keyword signature of Megatron's schedules, running ``options.schedule``."""
     if options.schedule not in SCHEDULES:
         raise ValueError(f"unknown DualPipe schedule {options.schedule!r}; choose from {SCHEDULES}")
+    if options.defer_weight_grads:
+        install_linear_deferral()
 
     def forward_backward_dualpipe(
         *,
@@ -251,7 +257,8 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
         device = next(chunks[0].parameters()).device
         p2p = P2P(group, rank, list(range(ranks)), device, lambda edge: shapes,
                   config.pipeline_dtype, options.timeout, options.debug_p2p)
-        executor = Executor(sched, rank, stages, p2p, defer_weight_grads=False, use_overlap_hook=False)
+        executor = Executor(sched, rank, stages, p2p, defer_weight_grads=options.defer_weight_grads,
+                            use_overlap_hook=False)
         empty = {d: [() for _ in range(per_direction)] for d in range(sched.directions)}
         data = StepData(inputs=empty, labels=empty, criterion=lambda loss: loss,
                         return_outputs=False, forward_only=forward_only)
@@ -264,6 +271,7 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
                     executor.run(plan, data)
             else:
                 executor.run(plan, data)
+        options.last_stats = executor.stats
         for view in views:
             view.finish()
 

@@ -63,7 +63,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--dualpipe-debug-p2p", action="store_true",
         help="Send a header with every pipeline message and fail on a (kind, direction, stage, "
              "micro-batch) mismatch.")
+    group.add_argument(
+        "--dualpipe-no-wgrad-split", action="store_true",
+        help="Run every backward in full: no weight-gradient deferral to the schedule's W ops "
+             "(zero-bubble filling off; numerics unchanged).")
+    group.add_argument(
+        "--dualpipe-trace", default=None, metavar="DIR",
+        help="Record every executed pipeline op (rank, op, direction, stage, micro-batch, start, "
+             "end, p2p wait) into one file per process in DIR (use a fresh DIR per run); "
+             "'python -m dualpipe_megatron.trace merge|analyze|draw DIR' turns them into a "
+             "Chrome/Perfetto trace, the measured bubbles and a timeline figure.")
     return parser
+
+
+def _have_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _microbatches(args: argparse.Namespace) -> int | None:
@@ -90,6 +106,11 @@ def pre_validate(args: argparse.Namespace) -> None:
                       ("use_torch_fsdp2", "FSDP with our chunks is untested")):
         if getattr(args, name, None):
             raise ValueError(f"--pipeline-schedule {schedule} does not support --{name.replace('_', '-')}: {why}")
+    if (getattr(args, "fp8", None) or getattr(args, "fp4", None)) and not _have_transformer_engine():
+        raise ValueError(
+            f"--pipeline-schedule {schedule} with FP8/FP4 needs Transformer Engine, which is not "
+            f"installed: Megatron runs low-precision GEMMs only through TE layers "
+            f"(--transformer-impl transformer_engine)")
     if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
         raise ValueError(f"--pipeline-schedule {schedule} does not support full-iteration CUDA graphs")
     check_configuration(schedule, args.pipeline_model_parallel_size, None, args.num_layers,
@@ -114,7 +135,9 @@ def post_validate(args: argparse.Namespace) -> None:
     args.overlap_p2p_comm = False
     args.align_param_gather = False
     _state["options"] = DualPipeOptions(schedule=schedule, timeout=args.dualpipe_p2p_timeout,
-                                        debug_p2p=args.dualpipe_debug_p2p)
+                                        debug_p2p=args.dualpipe_debug_p2p,
+                                        defer_weight_grads=not args.dualpipe_no_wgrad_split,
+                                        trace_dir=args.dualpipe_trace)
 
 
 def _validate_args(original: Callable, args: argparse.Namespace, defaults: dict | None = None) -> Any:

@@ -1,0 +1,104 @@
+"""Weight-gradient deferral for Megatron's local linear layers.
+
+Megatron's ``ColumnParallelLinear``/``RowParallelLinear`` (attention projections, dense MLPs,
+``SequentialMLP`` experts, the output layer) all run through
+``LinearWithGradAccumulationAndAsyncCommunication``, whose backward computes the input grad
+and the weight grad together. While the runtime's :class:`WeightGradStore` is enabled (a
+schedule's ``B`` with ``w:false``) the patched backward computes the input grad (and the cheap
+bias grad) now and files the weight-grad GEMM for the matching ``W``, which accumulates into
+``main_grad`` under Megatron DDP (as DDP's grad hook would) or into ``.grad`` otherwise.
+Outside a deferred backward the original runs unchanged.
+
+Not deferred (they fall back to the full backward): sequence parallelism, Megatron's own
+``wgrad_deferral_limit`` buffers and GTP weight re-materialisation. Transformer Engine layers
+defer through TE's own ``delay_wgrad_compute`` instead (not wired yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..runtime.wgrad import WeightGradStore
+from .guard import patch_attr
+
+_original: list[Callable] = []
+_zeros: dict[tuple, torch.Tensor] = {}
+
+
+def _placeholder_grad(weight: torch.Tensor, fusion: bool) -> torch.Tensor | None:
+    """What the deferred B hands autograd for the weight.
+
+    Megatron DDP's grad hook fires on every backward and, with overlapped reduction, insists on
+    a grad; a shared zero tensor adds nothing to ``main_grad``. Under gradient-accumulation
+    fusion Megatron itself flags the grad as already in ``main_grad``; we do the same.
+    """
+    if not hasattr(weight, "main_grad"):
+        return None
+    if fusion:
+        weight.grad_added_to_main_grad = True
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _zeros:
+        _zeros[key] = torch.zeros(key[0], dtype=key[1], device=key[2])
+    return _zeros[key]
+
+
+def _accumulate(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    """Where the full backward's weight grad would have ended up."""
+    if hasattr(weight, "main_grad"):  # Megatron DDP: its grad hook adds .grad into main_grad
+        weight.main_grad.add_(grad)
+    elif weight.grad is None:
+        weight.grad = grad
+    else:
+        weight.grad += grad
+
+
+@torch.no_grad()  # as inside autograd's backward, where this work would otherwise run
+def _weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor,
+                 fusion: bool) -> None:
+    """The deferred GEMM, with the kernel the full backward would have used."""
+    if fusion:
+        from megatron.core.tensor_parallel import layers
+
+        kernel = (layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
+                  if weight.main_grad.dtype == torch.float32
+                  else layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16)
+        kernel(input_2d, grad_2d, weight.main_grad)
+        return
+    _accumulate(weight, grad_2d.t().matmul(input_2d))
+
+
+def _deferrable(ctx: Any) -> bool:
+    return (WeightGradStore.enabled and not ctx.sequence_parallel
+            and ctx.grad_output_buffer is None and ctx.gtp_remat_size <= 1)
+
+
+def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
+    if not _deferrable(ctx):
+        return _original[0](ctx, grad_output)
+    from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+
+    input, weight = ctx.saved_tensors
+    if ctx.gradient_accumulation_fusion:
+        weight.main_grad = ctx.main_grad
+    grad_input = grad_output.matmul(weight)
+    handle = (torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+              if ctx.allreduce_dgrad else None)
+    grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, input)
+    WeightGradStore.put(lambda: _weight_grad(weight, grad_2d, input_2d, ctx.gradient_accumulation_fusion))
+    grad_bias = grad_2d.sum(dim=0) if ctx.use_bias else None
+    if handle is not None:
+        handle.wait()
+    return grad_input, _placeholder_grad(weight, ctx.gradient_accumulation_fusion), grad_bias, \
+        None, None, None, None, None, None, None
+
+
+def install_linear_deferral() -> None:
+    """Patch the linear autograd function's backward (once; guarded like every patch)."""
+    from megatron.core.tensor_parallel import layers
+
+    owner = layers.LinearWithGradAccumulationAndAsyncCommunication
+    original = owner.backward
+    if patch_attr(owner, "backward", staticmethod(layers.custom_bwd(_backward)), ["ctx", "grad_output"]):
+        _original.append(original)
