@@ -61,22 +61,23 @@ def _gpt(config, pre: bool, post: bool, tied: bool, vp_stage: int | None) -> tor
     return model
 
 
-def _megatron_layout(layers: int, pp: int, tied: bool) -> list[torch.nn.Module]:
+def _megatron_layout(layers: int, pp: int, tied: bool, **extra: object) -> list[torch.nn.Module]:
     """Megatron's own placement (PP=1 or 1F1B), and its forward_backward_func."""
     from megatron.core import parallel_state as ps
 
     _parallel(pp, None, tied_local=False)
-    config = _config(layers, pp, None)
+    config = _config(layers, pp, None, **extra)
     return [_gpt(config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(), tied, None)]
 
 
-def _our_layout(schedule: str, layers: int, pp: int, tied: bool):
+def _our_layout(schedule: str, layers: int, pp: int, tied: bool, **extra: object):
     from dualpipe_megatron.megatron.model import chunk_roles, model_config_kwargs, prepare_model
     from dualpipe_megatron.megatron.schedule import DualPipeOptions, stage_map_for
 
     _parallel(pp, 2, tied_local=True)
     kwargs = model_config_kwargs(schedule, pp, layers)
-    config = _config(layers, pp, 2, pipeline_model_parallel_layout=kwargs["pipeline_model_parallel_layout"])
+    config = _config(layers, pp, 2, pipeline_model_parallel_layout=kwargs["pipeline_model_parallel_layout"],
+                     **extra)
     rank = dist.get_rank()
     chunks = [_gpt(config, r.pre_process, r.post_process, tied, r.vp_stage)
               for r in chunk_roles(stage_map_for(schedule, pp), rank)]
@@ -500,12 +501,37 @@ def fp8_checks(pp: int) -> dict:
     return results
 
 
+def recompute_checks(pp: int) -> dict:
+    """Activation recompute (full and selective) composes with our schedules and the W split."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from dualpipe_megatron.megatron.schedule import make_forward_backward_func
+
+    layers, m = 2 * pp, 2 * pp
+    results: dict = {}
+    for name, extra in (("full", dict(recompute_granularity="full", recompute_method="uniform",
+                                      recompute_num_layers=1)),
+                        ("selective", dict(recompute_granularity="selective"))):
+        chunks = _megatron_layout(layers, pp, False, **extra)
+        ref_losses = _step(chunks, get_forward_backward_func(), m, 21)
+        ref = (ref_losses, _union(_grads(chunks, False)))
+        chunks, options = _our_layout("dualpipev", layers, pp, False, **extra)
+        got = (_step(chunks, make_forward_backward_func(options), m, 21), _grads(chunks, False))
+        deferred = options.last_stats.deferred
+        verdict = _compare(f"recompute_{name}_dualpipev_p{pp}", ref, got)
+        key = f"recompute_{name}_dualpipev_p{pp}"
+        verdict[key]["ok"] = verdict[key]["ok"] and deferred > 0
+        verdict[key]["detail"] += f"; {deferred} weight-grad closures deferred"
+        results |= verdict
+    return results
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     install_cpu_compat()
     pp = dist.get_world_size()
     results = (step_checks(pp) | ddp_checks(pp) | wgrad_checks(pp) | fp8_checks(pp)
-               | checkpoint_key_checks(pp) | mirror_checks(pp))
+               | recompute_checks(pp) | checkpoint_key_checks(pp) | mirror_checks(pp))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

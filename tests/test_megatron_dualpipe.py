@@ -84,3 +84,9 @@ def test_fp8_contexts_and_first_microbatch_flags_match_interleaved(results: tupl
     """Recorded (TE is not installable here): each chunk gets one first-micro-batch flag, then
     whole forwards of its layers under FP8 context; every layer as often as under interleaved."""
     _check(results, f"fp8_sequence_{schedule}_p{{pp}}")
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_activation_recompute_composes(results: tuple[int, dict], granularity: str) -> None:
+    """DualPipeV with the W split and Megatron's activation recompute equals 1F1B with it."""
+    _check(results, f"recompute_{granularity}_dualpipev_p{{pp}}")
