@@ -22,9 +22,11 @@ demo: setup
 	$(PY) -m dualpipe_megatron.schedules compare --ranks 4 --microbatches 20 --W 0.8 --FB 2.5 --c 0.1
 	@mkdir -p outputs
 	$(PY) -m dualpipe_megatron.schedules draw --schedule dualpipev --ranks 4 --microbatches 10 -o outputs/dualpipev_p4_m10.png
+	$(PY) -m dualpipe_megatron.demo
 
 bench: setup
 	$(PY) bench/bench_runtime.py
+	$(PY) bench/trace_overhead.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .hypothesis

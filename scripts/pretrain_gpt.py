@@ -105,12 +105,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model: GPTModel):
+def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = False):
+    """The model output and its loss function; with ``return_schedule_plan`` (Megatron's EP-overlap
+    convention, used by our MoE F&B overlap) a schedule plan of the forward instead of the output."""
     vp_stage = getattr(model, "vp_stage", None)
     batch = get_batch(data_iterator, vp_stage)
+    run = model.build_schedule_plan if return_schedule_plan else model
     if batch is None:
-        return model(None, None, None), None
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return run(None, None, None), None
+    output = run(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
 

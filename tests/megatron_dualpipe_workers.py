@@ -9,7 +9,6 @@ pipeline size P), MASTER_ADDR and MASTER_PORT set. Every layout starts from the 
 
 from __future__ import annotations
 
-import json
 import sys
 import zlib
 from datetime import timedelta
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-from megatron_workers import _batches, _config, _forward_step, _global_name, _max_diff, _verdict
+from megatron_workers import _batches, _config, _forward_step, _global_name, _max_diff, _verdict, publish
 
 VOCAB, SEQ, HIDDEN = 64, 8, 16
 TOLERANCE = 1e-6  # relative to the largest reference value, per tensor
@@ -532,11 +531,7 @@ def main(out_path: str) -> None:
     pp = dist.get_world_size()
     results = (step_checks(pp) | ddp_checks(pp) | wgrad_checks(pp) | fp8_checks(pp)
                | recompute_checks(pp) | checkpoint_key_checks(pp) | mirror_checks(pp))
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    publish(out_path, results)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from megatron.core.utils import get_model_config
 from ..runtime.executor import Executor, StepData, StepStats
 from ..runtime.p2p import P2P, MessagePlan
 from ..schedules import Schedule, ScheduleError, build_schedule, validate
+from ..trace.recorder import OpTracer
 from .grads import sum_mirrored_grads, sum_tied_embedding_grads
 from .predicates import running_chunk, stage_map_active
 from .topology import StageMap
@@ -43,9 +44,11 @@ class DualPipeOptions:
     debug_p2p: bool = False
     defer_weight_grads: bool = True  # B(w:false) defers Megatron linears' weight grads to its W
     trace_dir: str | None = None  # record every executed op (see dualpipe_megatron.trace)
+    moe_overlap: bool = True  # MoE (EP > 1): FB ops overlap F and B layer by layer (moe_overlap.py)
     mirror_group: dist.ProcessGroup | None = None  # DualPipe only, from prepare_model
     last_stats: StepStats | None = None  # the executor's counters of the latest step
     _plans: dict = field(default_factory=dict)
+    _tracer: OpTracer | None = field(default=None, repr=False)  # created on the first step when tracing
 
 
 def stage_map_for(schedule: str, ranks: int) -> StageMap:
@@ -192,6 +195,13 @@ def _schedule(options: DualPipeOptions, ranks: int, microbatches: int, forward_o
     return options._plans[key]
 
 
+def _tracer(options: DualPipeOptions, group: dist.ProcessGroup) -> OpTracer | None:
+    """This process's op tracer when ``options.trace_dir`` is set (one file per process and job)."""
+    if options.trace_dir is not None and options._tracer is None:
+        options._tracer = OpTracer.for_group(options.trace_dir, group)
+    return options._tracer
+
+
 def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
     """A function with the keyword signature of Megatron's schedules, running ``options.schedule``."""
     if options.schedule not in SCHEDULES:
@@ -240,6 +250,12 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
         step = _Step(forward_step_func, chunks, [], config, num_microbatches, pg_collection.cp.size(),
                      forward_only, first_val_step)
         stages: dict[tuple[int, int], _MegatronStage] = {}
+        # -- MoE F&B overlap (moe_overlap.py): plan-built stages and the executor's FB hook --
+        from .moe_overlap import MoEOverlapStage, overlap_enabled
+
+        overlap = overlap_enabled(options.moe_overlap, config, chunks, forward_step_func, forward_only)
+        stage_cls = MoEOverlapStage if overlap else _MegatronStage
+        # -- end MoE F&B overlap --
         views: list[_DirectionView] = []
         for c, (d, s) in enumerate(sched.stages_on(rank)):
             it = _as_list(data_iterator, len(chunks))[c]
@@ -247,7 +263,7 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
                 it = _DirectionView(it, d * per_direction, per_direction, num_microbatches)
                 views.append(it)
             step.iterators.append(it)
-            stages[(d, s)] = _MegatronStage(step, c, d, s == sched.stages - 1, d * per_direction)
+            stages[(d, s)] = stage_cls(step, c, d, s == sched.stages - 1, d * per_direction)
 
         shapes = mcore_schedules.get_tensor_shapes(
             seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -258,7 +274,8 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
         p2p = P2P(group, rank, list(range(ranks)), device, lambda edge: shapes,
                   config.pipeline_dtype, options.timeout, options.debug_p2p)
         executor = Executor(sched, rank, stages, p2p, defer_weight_grads=options.defer_weight_grads,
-                            use_overlap_hook=False)
+                            use_overlap_hook=overlap)
+        executor.observer = _tracer(options, group)
         empty = {d: [() for _ in range(per_direction)] for d in range(sched.directions)}
         data = StepData(inputs=empty, labels=empty, criterion=lambda loss: loss,
                         return_outputs=False, forward_only=forward_only)

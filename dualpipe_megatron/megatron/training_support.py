@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Run every backward in full: no weight-gradient deferral to the schedule's W ops "
              "(zero-bubble filling off; numerics unchanged).")
     group.add_argument(
+        "--no-dualpipe-moe-overlap", dest="dualpipe_moe_overlap", action="store_false",
+        help="MoE models with expert parallelism > 1 (alltoall/flex dispatcher) run each F&B op "
+             "as one overlapped forward+backward through Megatron's schedule plans (the "
+             "dispatch/combine all-to-alls of one micro-batch hidden behind the other's compute; "
+             "the forward step must accept return_schedule_plan). This flag runs F then B.")
+    group.add_argument(
         "--dualpipe-trace", default=None, metavar="DIR",
         help="Record every executed pipeline op (rank, op, direction, stage, micro-batch, start, "
              "end, p2p wait) into one file per process in DIR (use a fresh DIR per run); "
@@ -137,6 +143,7 @@ def post_validate(args: argparse.Namespace) -> None:
     _state["options"] = DualPipeOptions(schedule=schedule, timeout=args.dualpipe_p2p_timeout,
                                         debug_p2p=args.dualpipe_debug_p2p,
                                         defer_weight_grads=not args.dualpipe_no_wgrad_split,
+                                        moe_overlap=getattr(args, "dualpipe_moe_overlap", True),
                                         trace_dir=args.dualpipe_trace)
 
 

@@ -1,13 +1,13 @@
 """Pipeline runtime: executes schedule IR op lists over ``torch.distributed`` p2p."""
 
-from .executor import StepStats, Executor, StepData, StepResult
+from .executor import Executor, OpObserver, StepData, StepResult, StepStats
 from .mirror import sync_mirrored_grads
 from .p2p import Message, MessagePlan, P2P, PipelineCommError
 from .pipeline import Pipeline
 from .wgrad import DeferrableLinear, WeightGradStore, deferring, make_linears_deferrable, run_backward
 
 __all__ = [
-    "StepStats", "DeferrableLinear", "Executor", "Message", "MessagePlan", "P2P",
+    "StepStats", "DeferrableLinear", "Executor", "Message", "MessagePlan", "OpObserver", "P2P",
     "Pipeline", "PipelineCommError", "StepData", "StepResult", "WeightGradStore", "deferring",
     "make_linears_deferrable", "run_backward", "sync_mirrored_grads",
 ]

@@ -2,13 +2,17 @@
 
 The executor has no schedule logic. It walks the :class:`MessagePlan` (the
 rank's ops, what each op receives first and sends after), computes, and keeps
-per-(d,s,m) state between the F and the B/W that the IR pairs by key.
+per-(d,s,m) state between the F and the B/W that the IR pairs by key. An
+optional :class:`OpObserver` hears about each executed op with its host-clock
+times; without one the loop reads no clock (the p2p layer still sums receive
+waits, two clock reads per message).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from time import perf_counter_ns
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -60,6 +64,21 @@ class StepStats:
     deferred: int = 0
 
 
+class OpObserver(Protocol):
+    """Told about every op one rank executes (e.g. :class:`dualpipe_megatron.trace.OpTracer`).
+
+    Times are ``time.perf_counter_ns()`` readings taken by the executor: ``begin``
+    before the op's first receive, ``end`` after its sends are posted; ``wait_ns``
+    of that span was spent blocked in receives.
+    """
+
+    def step_begun(self, sched: Schedule, forward_only: bool) -> None: ...
+
+    def op_done(self, index: int, parts: tuple[Half, ...], begin_ns: int, end_ns: int, wait_ns: int) -> None: ...
+
+    def step_done(self) -> None: ...
+
+
 def as_list(outputs: Any) -> list[torch.Tensor]:
     return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
 
@@ -90,6 +109,7 @@ class Executor:
         defer_weight_grads: bool = True,
         use_overlap_hook: bool = True,
         recv_lookahead: int = 2,
+        observer: OpObserver | None = None,
     ) -> None:
         self.sched = sched
         self.rank = rank
@@ -98,27 +118,41 @@ class Executor:
         self.defer = defer_weight_grads
         self.use_overlap_hook = use_overlap_hook
         self.recv_lookahead = recv_lookahead
+        self.observer = observer
         self.stats = StepStats()
 
     # -- the loop --------------------------------------------------------------
     def run(self, plan: MessagePlan, data: StepData) -> StepResult:
         self._start(data)
+        observer = self.observer
+        if observer is not None:
+            observer.step_begun(self.sched, data.forward_only)
         self.p2p.begin(plan)
         for n, (index, parts) in enumerate(plan.ops):
-            where = _describe(index, parts)
             ahead = plan.recvs[n:n + 1 + self.recv_lookahead]
             self.p2p.prefetch([item for per_op in ahead for needs in per_op for item in needs])
-            if len(parts) == 2 and self._hooked(parts[0], parts[1]):
-                self._overlapped(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
+            if observer is None:
+                self._run_op(plan, n, index, parts)
             else:
-                for half, needs, sends in zip(parts, plan.recvs[n], plan.sends[n]):
-                    self._receive(needs, where)
-                    self._send(sends, *self._run_half(half), where)
+                waited, begin = self.p2p.waited_ns, perf_counter_ns()
+                self._run_op(plan, n, index, parts)
+                observer.op_done(index, parts, begin, perf_counter_ns(), self.p2p.waited_ns - waited)
             self.p2p.reap()
         self.p2p.finish()
+        if observer is not None:
+            observer.step_done()
         self.stats.freed = self.p2p.freed
         self._check_drained()
         return self._result
+
+    def _run_op(self, plan: MessagePlan, n: int, index: int, parts: tuple[Half, ...]) -> None:
+        where = _describe(index, parts)
+        if len(parts) == 2 and self._hooked(parts[0], parts[1]):
+            self._overlapped(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
+        else:
+            for half, needs, sends in zip(parts, plan.recvs[n], plan.sends[n]):
+                self._receive(needs, where)
+                self._send(sends, *self._run_half(half), where)
 
     def _start(self, data: StepData) -> None:
         WeightGradStore.clear()
@@ -287,4 +321,4 @@ class Executor:
         return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, inputs)], []
 
 
-__all__ = ["StepStats", "Executor", "StepData", "StepResult", "as_list", "has_overlap_hook"]
+__all__ = ["OpObserver", "StepStats", "Executor", "StepData", "StepResult", "as_list", "has_overlap_hook"]

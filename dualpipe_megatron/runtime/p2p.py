@@ -8,15 +8,18 @@ in that same sender order, lazily, up to the message its next op needs.
 
 Sends never block an op; they are reaped when complete (freeing sent
 activations) and waited for at the end of the step. Receives are waited for
-just before the op that needs them. With a valid (deadlock-free) IR every
-awaited message is eventually sent, so the protocol cannot deadlock; every wait
-still has a timeout, so a failed peer turns into an error, not a hang.
+just before the op that needs them, and the time spent in those waits is
+summed (``waited_ns``) so a tracer can tell waiting from computing. With a
+valid (deadlock-free) IR every awaited message is eventually sent, so the
+protocol cannot deadlock; every wait still has a timeout, so a failed peer
+turns into an error, not a hang.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from time import perf_counter_ns
 from typing import Callable, Sequence
 
 import torch
@@ -167,6 +170,7 @@ class P2P:
         self._recvs: dict[Message, _Recv] = {}
         self._sends: list[_Send] = []
         self.freed = 0
+        self.waited_ns = 0  # this step's time blocked in receives (two clock reads per message)
 
     def finish(self) -> None:
         """Wait for every send; check that every planned receive was posted and used."""
@@ -193,12 +197,14 @@ class P2P:
         self._post_up_to(msg, src)
         pending = self._recvs.pop(msg)
         what = f"receiving {msg} from rank {src}, needed by {needed_by}"
+        began = perf_counter_ns()
         if pending.header is not None:
             self._wait_all(pending.works[:1], what, src)
             self._check_header(pending.header, msg, src, len(pending.buffers), needed_by)
             self._wait_all(pending.works[1:], what, src)
         else:
             self._wait_all(pending.works, what, src)
+        self.waited_ns += perf_counter_ns() - began
         return pending.buffers
 
     def _post_up_to(self, msg: Message, src: int) -> None:

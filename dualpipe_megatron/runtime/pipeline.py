@@ -18,7 +18,7 @@ from torch import nn
 from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule
 from ..schedules.validate import validate
-from .executor import StepStats, Executor, StepData
+from .executor import Executor, OpObserver, StepData, StepStats
 from .p2p import MessagePlan, P2P, Shape
 from .wgrad import make_linears_deferrable
 
@@ -91,6 +91,8 @@ class Pipeline(nn.Module):
       nothing); ``defer_linear`` makes the stages' plain ``nn.Linear`` layers
       deferrable (see :mod:`.wgrad`); ``use_overlap_hook=False`` ignores
       ``overlapped_forward_backward``; ``recv_lookahead``: see :class:`Executor`.
+    - ``observer``: told about every executed op with its times (e.g. a
+      :class:`dualpipe_megatron.trace.OpTracer`); ``None`` costs nothing.
 
     After a step, :attr:`stats` holds its :class:`StepStats` counters.
     """
@@ -112,6 +114,7 @@ class Pipeline(nn.Module):
         use_overlap_hook: bool = True,
         defer_linear: bool = True,
         recv_lookahead: int = 2,
+        observer: OpObserver | None = None,
     ) -> None:
         super().__init__()
         self.module = nn.ModuleList(modules)
@@ -127,6 +130,7 @@ class Pipeline(nn.Module):
         self.defer_weight_grads = defer_weight_grads
         self.use_overlap_hook = use_overlap_hook
         self.recv_lookahead = recv_lookahead
+        self.observer = observer
         self.device = module_device(self.module)
         self.stats = StepStats()
         self._plans: dict[tuple[int, bool], tuple[Schedule, MessagePlan]] = {}
@@ -236,6 +240,7 @@ class Pipeline(nn.Module):
         )
         executor = Executor(
             sched, self.rank, chunks, p2p, self.defer_weight_grads, self.use_overlap_hook, self.recv_lookahead,
+            self.observer,
         )
         try:
             result = executor.run(plan, data)

@@ -1,0 +1,79 @@
+"""``python -m dualpipe_megatron.trace``: merge, analyse and draw a ``--dualpipe-trace`` directory.
+
+Bad input ends with one ``error:`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ..schedules.ir import ScheduleError
+from .analysis import analyze, analyze_pipeline
+from .chrome import write_chrome_trace
+from .figure import draw_measured
+from .records import TraceError, load, pipelines
+from .report import format_report, summary
+
+
+def cmd_merge(args: argparse.Namespace) -> None:
+    out = args.output or Path(args.dir) / "trace.json"
+    events = write_chrome_trace(load(args.dir), out)
+    print(f"wrote {out} ({events} events); open it in ui.perfetto.dev or chrome://tracing")
+
+
+def cmd_analyze(args: argparse.Namespace) -> None:
+    reports = analyze(load(args.dir), args.skip)
+    if args.json:
+        print(json.dumps([summary(r) for r in reports], indent=1))
+        return
+    print("\n".join(format_report(r, args.per_step) for r in reports))
+
+
+def cmd_draw(args: argparse.Namespace) -> None:
+    groups = pipelines(load(args.dir))
+    if not 0 <= args.pipeline < len(groups):
+        raise TraceError(f"--pipeline {args.pipeline}: the trace has {len(groups)} pipeline(s)")
+    ranks = groups[args.pipeline]
+    step = draw_measured(ranks, analyze_pipeline(ranks, args.skip), args.output, args.step)
+    print(f"wrote {args.output} (step {step})")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dualpipe_megatron.trace", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("merge", help="all ranks into one Chrome/Perfetto trace JSON")
+    p.add_argument("dir")
+    p.add_argument("-o", "--output", help="default: DIR/trace.json")
+    p.set_defaults(func=cmd_merge)
+    for name, helptext in (("analyze", "measured bubble per rank vs the simulator's prediction"),
+                           ("draw", "measured timeline under the simulated one")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("dir")
+        p.add_argument("--skip", type=int, default=1, help="warm-up training steps left out (default 1)")
+        if name == "analyze":
+            p.add_argument("--per-step", action="store_true", help="also one line per step")
+            p.add_argument("--json", action="store_true", help="machine-readable summary")
+            p.set_defaults(func=cmd_analyze)
+        else:
+            p.add_argument("-o", "--output", required=True, help="FILE.png or FILE.svg")
+            p.add_argument("--step", type=int, default=None, help="default: the step of median makespan")
+            p.add_argument("--pipeline", type=int, default=0, help="which pipeline (0 = lowest global ranks)")
+            p.set_defaults(func=cmd_draw)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (TraceError, ScheduleError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["main", "make_parser"]

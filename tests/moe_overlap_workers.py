@@ -1,0 +1,268 @@
+"""Rank process for tests/test_megatron_moe_overlap.py: DualPipeV's overlapped F&B on an MoE GPT
+(4 experts, top-2, alltoall dispatcher, EP=2) x PP=2, bf16, 4 processes, against Megatron's own
+interleaved 1F1B with its combined-1F1B EP overlap at the same sizes (PP=2, VPP=2, EP=2).
+
+Run as ``python tests/moe_overlap_workers.py OUT_JSON`` with RANK, WORLD_SIZE=4, MASTER_ADDR and
+MASTER_PORT set. Every layout starts from the same weights (each parameter seeded by its global
+name, then cast to bf16); each data-parallel rank reads its own micro-batches. Gradients are
+Megatron DDP's fp32 ``main_grad`` (local sums, no reduction), keyed by data-parallel rank and
+global parameter name. Rank 0 writes ``{check: {"ok": bool, "detail": str}}``.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
+from megatron_workers import _global_name, _verdict, publish
+
+VOCAB, SEQ, MBS, HIDDEN, HEADS, LAYERS, PP, EP = 64, 8, 2, 16, 2, 8, 2, 2
+# Relative to the largest reference value of each tensor. Same plans, same bf16 kernels: only
+# the order in which micro-batch grads are summed into fp32 main_grad differs between schedules.
+TOLERANCE = 1e-5
+# Overlap off runs each layer as one autograd graph; the plans split it into nodes and add the
+# residual grads in another order, in bf16 activations: bf16-level differences.
+BF16_TOLERANCE = 3e-2
+
+Result = tuple[dict[str, list[float]], dict[str, torch.Tensor]]  # losses by dp rank, grads by key
+
+
+def _config(layout=None, megatron_overlap: bool = False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32,  # built in fp32 and cast, as Megatron's Float16Module does
+        bf16=True, pipeline_dtype=torch.bfloat16,
+        pipeline_model_parallel_size=PP, virtual_pipeline_model_parallel_size=2,
+        pipeline_model_parallel_layout=layout,
+        batch_p2p_comm=False,  # PP=2 with VPP: batched p2p swaps equal-shaped tensors
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        expert_model_parallel_size=EP, num_moe_experts=4, moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2,
+        add_bias_linear=False,  # expert bias + probs hits an in-place-on-view error in 0.19.2
+        # Megatron validates its EP-overlap requirements (bf16, EP > 1, alltoall, VP set) here.
+        overlap_moe_expert_parallel_comm=megatron_overlap,
+    )
+    # A loss scale, as a mixed-precision optimizer sets one (a power of two: exact in bf16). Our
+    # plain path applies it in the forward, Megatron's and our overlapped path in the backward.
+    config.grad_scale_func = _scale_loss
+    return config
+
+
+def _scale_loss(loss: torch.Tensor) -> torch.Tensor:
+    return loss * 4.0
+
+
+def _parallel(ours: bool) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from dualpipe_megatron.megatron.model import embedding_ranks
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=PP, virtual_pipeline_model_parallel_size=2,
+                                 expert_model_parallel_size=EP,
+                                 get_embedding_ranks=embedding_ranks if ours else None)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def _gpt(config, pre: bool, post: bool, vp_stage: int) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=4), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=pre, post_process=post,
+                     share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+    for name, param in model.named_parameters():
+        gen = torch.Generator().manual_seed(zlib.crc32(_global_name(model, name).encode()))
+        value = 0.1 * torch.randn(param.shape, generator=gen)
+        param.data.copy_(value + 1.0 if name.endswith("norm.weight") else value)
+    return model.bfloat16()
+
+
+def _wrap(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    wrapped = [DistributedDataParallel(c.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), c,
+                                       disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    for w in wrapped:
+        w.zero_grad_buffer()
+    return wrapped
+
+
+def _batches(m: int) -> list[dict[str, torch.Tensor]]:
+    from megatron.core import parallel_state as ps
+
+    gen = torch.Generator().manual_seed(1000 * m + ps.get_data_parallel_rank())
+    out = []
+    for _ in range(m):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                    "position_ids": torch.arange(SEQ).expand(MBS, SEQ)})
+    return out
+
+
+def _loss(output: torch.Tensor):
+    loss = output.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Megatron's convention: with return_schedule_plan, a schedule plan instead of the output."""
+    batch = next(data_iterator)
+    args = (batch["tokens"], batch["position_ids"], None)
+    if return_schedule_plan:
+        return model.build_schedule_plan(*args, labels=batch["labels"]), _loss
+    return model(*args, labels=batch["labels"]), _loss
+
+
+def _collect(chunks, wrapped, reports) -> Result:
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_rank()
+    grads = {}
+    for model in chunks:
+        for name, p in model.named_parameters():
+            grads[f"dp{dp}:{_global_name(model, name)}"] = p.main_grad.detach().clone()
+    losses = {f"dp{dp}": [float(r["lm loss"]) for r in reports]} if reports else {}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (losses, grads))
+    all_losses, all_grads = {}, {}
+    for part_losses, part_grads in gathered:
+        all_losses |= part_losses
+        all_grads |= part_grads
+    return all_losses, all_grads
+
+
+def run_megatron(m: int, overlap: bool) -> Result:
+    """Megatron's interleaved 1F1B (with overlap: its combined-1F1B EP overlap)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    _parallel(ours=False)
+    config = _config(megatron_overlap=overlap)
+    chunks = [_gpt(config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                   ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v), v) for v in range(2)]
+    wrapped = _wrap(chunks)
+    batches = _batches(m)
+    reports = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in wrapped], model=wrapped,
+        num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+    return _collect(chunks, wrapped, reports)
+
+
+def run_ours(m: int, overlap: bool, counter: list[int]) -> Result:
+    from dualpipe_megatron.megatron.model import chunk_roles, model_config_kwargs, prepare_model
+    from dualpipe_megatron.megatron.schedule import DualPipeOptions, make_forward_backward_func, stage_map_for
+
+    _parallel(ours=True)
+    layout = model_config_kwargs("dualpipev", PP, LAYERS)["pipeline_model_parallel_layout"]
+    # Validated with Megatron's EP-overlap flag (its requirements hold), then cleared: the flag
+    # only selects Megatron's combined-1F1B schedule; ours is DualPipeOptions.moe_overlap.
+    config = _config(layout, megatron_overlap=True)
+    config.overlap_moe_expert_parallel_comm = False
+    from megatron.core import parallel_state as ps
+
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    chunks = [_gpt(config, r.pre_process, r.post_process, r.vp_stage)
+              for r in chunk_roles(stage_map_for("dualpipev", PP), pp_rank)]
+    options = prepare_model(chunks, DualPipeOptions(schedule="dualpipev", timeout=120, moe_overlap=overlap),
+                            pp_rank, PP)
+    wrapped = _wrap(chunks)
+    batches = _batches(m)
+    reports = make_forward_backward_func(options)(
+        forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in wrapped], model=wrapped,
+        num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+    counter.append(options.last_stats.deferred)
+    return _collect(chunks, wrapped, reports)
+
+
+def _compare(name: str, ref: Result, got: Result, tolerance: float, extra: str = "") -> dict:
+    (ref_losses, ref_grads), (losses, grads) = ref, got
+    problems, worst_loss, worst_grad, exact = [], 0.0, 0.0, 0
+    if sorted(losses) != sorted(ref_losses) or any(len(losses[k]) != len(ref_losses[k]) for k in losses):
+        problems.append(f"loss counts {({k: len(v) for k, v in losses.items()})} vs "
+                        f"{({k: len(v) for k, v in ref_losses.items()})}")
+    for key in ref_losses:
+        for a, b in zip(ref_losses[key], losses.get(key, [])):
+            worst_loss = max(worst_loss, abs(a - b) / max(abs(a), 1e-30))
+    if worst_loss > tolerance:
+        problems.append(f"loss rel diff {worst_loss:.3g}")
+    if set(grads) != set(ref_grads):
+        problems.append(f"parameter sets differ: {sorted(set(grads) ^ set(ref_grads))[:4]}")
+    bad = []
+    for key in sorted(set(grads) & set(ref_grads)):
+        r, g = ref_grads[key], grads[key]
+        diff = float((r - g).abs().max())
+        rel = diff / max(float(r.abs().max()), 1e-30)
+        exact += diff == 0.0
+        worst_grad = max(worst_grad, rel)
+        if rel > tolerance:
+            bad.append(f"{key}: {rel:.3g}")
+    problems += bad[:4]
+    nonzero = sum(1 for g in grads.values() if float(g.abs().max()) > 0)
+    detail = (f"{sum(len(v) for v in losses.values())} losses (worst rel diff {worst_loss:.3g}), "
+              f"{len(grads)} grads ({nonzero} non-zero, {exact} bitwise equal, worst rel diff "
+              f"{worst_grad:.3g}); tolerance {tolerance:g}{extra}")
+    if problems:
+        detail += "; " + ", ".join(problems)
+    return _verdict(name, not problems, detail)
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    install_cpu_compat()
+    from dualpipe_megatron.megatron import moe_overlap
+
+    calls = {"fb": 0, "f": 0}
+    hook = moe_overlap.MoEOverlapStage.overlapped_forward_backward
+    lone = moe_overlap.MoEOverlapStage.__call__
+
+    def counting_hook(*args):
+        calls["fb"] += 1
+        return hook(*args)
+
+    def counting_call(self, *inputs):
+        calls["f"] += 1
+        return lone(self, *inputs)
+
+    moe_overlap.MoEOverlapStage.overlapped_forward_backward = staticmethod(counting_hook)
+    moe_overlap.MoEOverlapStage.__call__ = counting_call
+
+    results: dict = {}
+    for m in (4, 6):
+        megatron_overlap = run_megatron(m, overlap=True)
+        megatron_plain = run_megatron(m, overlap=False)
+        deferred: list[int] = []
+        calls.update(fb=0, f=0)
+        on = run_ours(m, overlap=True, counter=deferred)
+        fb_on, f_on = calls["fb"], calls["f"]
+        calls.update(fb=0, f=0)
+        off = run_ours(m, overlap=False, counter=deferred)
+        fb_off = calls["fb"] + calls["f"]
+        counts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, (fb_on, f_on, fb_off, deferred))
+        fb_total = sum(c[0] for c in counts)
+        ops = f"; overlapped FB ops per rank {[c[0] for c in counts]}, plan-built lone F {[c[1] for c in counts]}"
+        ops += f", weight-grad closures deferred (on, off) {[tuple(c[3]) for c in counts]}"
+        results |= _compare(f"overlap_on_vs_megatron_combined_1f1b_m{m}", megatron_overlap, on, TOLERANCE, ops)
+        results |= _compare(f"overlap_off_vs_megatron_1f1b_m{m}", megatron_plain, off, TOLERANCE)
+        results |= _compare(f"overlap_on_vs_off_m{m}", off, on, BF16_TOLERANCE)
+        results |= _compare(f"megatron_combined_vs_plain_1f1b_m{m}", megatron_plain, megatron_overlap,
+                            BF16_TOLERANCE)
+        results |= _verdict(f"overlap_ran_m{m}", fb_total > 0 and all(c[2] == 0 for c in counts),
+                            f"overlapped FB ops on all ranks: {fb_total}; plan-built ops with overlap "
+                            f"off: {[c[2] for c in counts]}")
+    publish(out_path, results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,108 @@
+"""Overlapped F&B for MoE models (dualpipe_megatron/megatron/moe_overlap.py).
+
+One launch (4 processes: PP=2 x EP=2, MoE GPT with 4 experts, top-2, alltoall dispatcher, bf16)
+runs DualPipeV with the overlap on and off and Megatron's interleaved 1F1B (PP=2, VPP=2) with and
+without its own combined-1F1B EP overlap, for M = 4 and 6, and compares losses and every
+gradient (Megatron DDP's fp32 main_grad). The in-process tests check which models fall back to
+F then B.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher import launch
+
+WORKER = Path(__file__).with_name("moe_overlap_workers.py")
+TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return launch(WORKER, 4, tmp_path_factory.mktemp("moe_overlap"), TIMEOUT_S)
+
+
+def _check(results: dict, key: str) -> None:
+    assert key in results, f"{key} missing; have {sorted(results)}"
+    assert results[key]["ok"], results[key]["detail"]
+
+
+@pytest.mark.parametrize("m", [4, 6])
+def test_overlap_on_equals_megatron_combined_1f1b(results: dict, m: int) -> None:
+    """DualPipeV with overlapped F&B vs Megatron's interleaved 1F1B with its EP overlap."""
+    _check(results, f"overlap_on_vs_megatron_combined_1f1b_m{m}")
+
+
+@pytest.mark.parametrize("m", [4, 6])
+def test_overlap_off_equals_megatron_1f1b(results: dict, m: int) -> None:
+    _check(results, f"overlap_off_vs_megatron_1f1b_m{m}")
+
+
+@pytest.mark.parametrize("m", [4, 6])
+def test_overlap_on_equals_off(results: dict, m: int) -> None:
+    _check(results, f"overlap_on_vs_off_m{m}")
+
+
+@pytest.mark.parametrize("m", [4, 6])
+def test_megatron_references_agree(results: dict, m: int) -> None:
+    _check(results, f"megatron_combined_vs_plain_1f1b_m{m}")
+
+
+@pytest.mark.parametrize("m", [4, 6])
+def test_fb_ops_ran_overlapped_only_when_on(results: dict, m: int) -> None:
+    _check(results, f"overlap_ran_m{m}")
+
+
+class _Plannable(torch.nn.Module):
+    def build_schedule_plan(self, *args, **kwargs):  # pragma: no cover - never called
+        raise AssertionError
+
+
+def _forward_step(data_iterator, model, return_schedule_plan=False):  # pragma: no cover
+    raise AssertionError
+
+
+def _config(**kwargs):
+    from types import SimpleNamespace
+
+    base = dict(num_moe_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                recompute_granularity=None, recompute_method=None, recompute_modules=[],
+                moe_shared_expert_overlap=False)
+    return SimpleNamespace(**(base | kwargs))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(num_moe_experts=None), "dense model"),
+    (dict(expert_model_parallel_size=1), "expert-model-parallel size 1"),
+    (dict(moe_token_dispatcher_type="allgather"), "token dispatcher 'allgather'"),
+    (dict(recompute_granularity="full"), "full activation recomputation"),
+])
+def test_models_that_fall_back_to_f_then_b(change: dict, reason: str) -> None:
+    from dualpipe_megatron.megatron.moe_overlap import overlap_blockers, overlap_enabled
+
+    config = _config(**change)
+    assert any(reason in r for r in overlap_blockers(config, [_Plannable()], _forward_step))
+    with pytest.warns(UserWarning) if config.num_moe_experts else _no_warning():
+        assert not overlap_enabled(True, config, [_Plannable()], _forward_step, forward_only=False)
+
+
+def _no_warning():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_overlap_needs_forward_step_with_schedule_plans_and_plannable_chunks() -> None:
+    from dualpipe_megatron.megatron.moe_overlap import overlap_blockers, overlap_enabled
+
+    config = _config()
+    assert overlap_blockers(config, [_Plannable()], _forward_step) == []
+    assert overlap_enabled(True, config, [_Plannable()], _forward_step, forward_only=False)
+    assert not overlap_enabled(False, config, [_Plannable()], _forward_step, forward_only=False)  # the flag
+    assert not overlap_enabled(True, config, [_Plannable()], _forward_step, forward_only=True)  # eval
+    assert any("return_schedule_plan" in r
+               for r in overlap_blockers(config, [_Plannable()], lambda it, model: None))
+    assert any("build_schedule_plan" in r for r in overlap_blockers(config, [torch.nn.Linear(1, 1)], _forward_step))
