@@ -24,6 +24,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_tokenizer, pretrain
 from megatron.training.argument_utils import (
     core_transformer_config_from_args, pretrain_cfg_container_from_args,
@@ -108,7 +109,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = False):
     """The model output and its loss function; with ``return_schedule_plan`` (Megatron's EP-overlap
     convention, used by our MoE F&B overlap) a schedule plan of the forward instead of the output."""
-    vp_stage = getattr(model, "vp_stage", None)
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")  # under the DDP/Float16Module wrappers
     batch = get_batch(data_iterator, vp_stage)
     run = model.build_schedule_plan if return_schedule_plan else model
     if batch is None:

@@ -32,7 +32,7 @@ BF16_TOLERANCE = 3e-2
 Result = tuple[dict[str, list[float]], dict[str, torch.Tensor]]  # losses by dp rank, grads by key
 
 
-def _config(layout=None, megatron_overlap: bool = False):
+def _config(layout=None, megatron_overlap: bool = False, delay_wgrad: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
@@ -50,6 +50,8 @@ def _config(layout=None, megatron_overlap: bool = False):
         add_bias_linear=False,  # expert bias + probs hits an in-place-on-view error in 0.19.2
         # Megatron validates its EP-overlap requirements (bf16, EP > 1, alltoall, VP set) here.
         overlap_moe_expert_parallel_comm=megatron_overlap,
+        # Megatron's delayed wgrad: plan slots call backward_dw (a no-op on local linears).
+        delay_wgrad_compute=delay_wgrad,
     )
     # A loss scale, as a mixed-precision optimizer sets one (a power of two: exact in bf16). Our
     # plain path applies it in the forward, Megatron's and our overlapped path in the backward.
@@ -142,13 +144,13 @@ def _collect(chunks, wrapped, reports) -> Result:
     return all_losses, all_grads
 
 
-def run_megatron(m: int, overlap: bool) -> Result:
+def run_megatron(m: int, overlap: bool, delay_wgrad: bool = False) -> Result:
     """Megatron's interleaved 1F1B (with overlap: its combined-1F1B EP overlap)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     _parallel(ours=False)
-    config = _config(megatron_overlap=overlap)
+    config = _config(megatron_overlap=overlap, delay_wgrad=delay_wgrad)
     chunks = [_gpt(config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
                    ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v), v) for v in range(2)]
     wrapped = _wrap(chunks)
@@ -159,16 +161,17 @@ def run_megatron(m: int, overlap: bool) -> Result:
     return _collect(chunks, wrapped, reports)
 
 
-def run_ours(m: int, overlap: bool, counter: list[int]) -> Result:
+def run_ours(m: int, overlap: bool, counter: list[int], delay_wgrad: bool = False) -> Result:
     from dualpipe_megatron.megatron.model import chunk_roles, model_config_kwargs, prepare_model
     from dualpipe_megatron.megatron.schedule import DualPipeOptions, make_forward_backward_func, stage_map_for
 
     _parallel(ours=True)
     layout = model_config_kwargs("dualpipev", PP, LAYERS)["pipeline_model_parallel_layout"]
-    # Validated with Megatron's EP-overlap flag (its requirements hold), then cleared: the flag
-    # only selects Megatron's combined-1F1B schedule; ours is DualPipeOptions.moe_overlap.
-    config = _config(layout, megatron_overlap=True)
-    config.overlap_moe_expert_parallel_comm = False
+    # Validated with Megatron's EP-overlap flag (its requirements hold). The flag only selects
+    # Megatron's combined-1F1B schedule; ours is DualPipeOptions.moe_overlap, so it is cleared,
+    # except with delayed wgrad, which Megatron allows only with it (our schedule accepts it).
+    config = _config(layout, megatron_overlap=True, delay_wgrad=delay_wgrad)
+    config.overlap_moe_expert_parallel_comm = delay_wgrad
     from megatron.core import parallel_state as ps
 
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -261,6 +264,18 @@ def main(out_path: str) -> None:
         results |= _verdict(f"overlap_ran_m{m}", fb_total > 0 and all(c[2] == 0 for c in counts),
                             f"overlapped FB ops on all ranks: {fb_total}; plan-built ops with overlap "
                             f"off: {[c[2] for c in counts]}")
+    # Megatron's delayed wgrad (--delay-wgrad-compute): each plan slot's backward_dw moves to W.
+    deferred = []
+    reference = run_megatron(4, overlap=True, delay_wgrad=True)
+    delayed = run_ours(4, overlap=True, counter=deferred, delay_wgrad=True)
+    plain = run_ours(4, overlap=True, counter=deferred)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, deferred)
+    results |= _compare("delayed_wgrad_vs_megatron_combined_1f1b_m4", reference, delayed, TOLERANCE,
+                        f"; weight-grad closures deferred per rank (delayed wgrad, without) {counts}")
+    results |= _compare("delayed_wgrad_vs_without_m4", plain, delayed, 0.0)
+    results |= _verdict("delayed_wgrad_slots_deferred", all(c[0] > c[1] for c in counts),
+                        f"weight-grad closures run by W per rank (delayed wgrad, without): {counts}")
     publish(out_path, results)
 
 

@@ -77,8 +77,7 @@ def test_unsupported_options_are_named_with_reasons() -> None:
                              overlap_moe_expert_parallel_comm=True, defer_embedding_wgrad_compute=True)
     reasons = unsupported_options(config, False, True, lambda x: x)
     assert [r.split(" ")[0] for r in reasons] == [
-        "variable_seq_lengths", "multi-token", "overlap_moe_expert_parallel_comm",
-        "defer_embedding_wgrad_compute", "collect_non_loss_data", "adjust_tensor_shapes_fn",
+        "variable_seq_lengths", "multi-token", "defer_embedding_wgrad_compute", "collect_non_loss_data", "adjust_tensor_shapes_fn",
     ]
     clean = SimpleNamespace(variable_seq_lengths=False, mtp_num_layers=None)
     assert unsupported_options(clean, False, False, None) == []

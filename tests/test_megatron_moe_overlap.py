@@ -56,6 +56,14 @@ def test_fb_ops_ran_overlapped_only_when_on(results: dict, m: int) -> None:
     _check(results, f"overlap_ran_m{m}")
 
 
+@pytest.mark.parametrize("key", ["delayed_wgrad_vs_megatron_combined_1f1b_m4", "delayed_wgrad_vs_without_m4",
+                                 "delayed_wgrad_slots_deferred"])
+def test_delayed_wgrad_slots_move_to_w(results: dict, key: str) -> None:
+    """``delay_wgrad_compute`` (Megatron's TE delayed wgrad; the slots' backward_dw is a no-op on
+    these local layers): every plan slot's backward_dw runs at its W, with equal results."""
+    _check(results, key)
+
+
 class _Plannable(torch.nn.Module):
     def build_schedule_plan(self, *args, **kwargs):  # pragma: no cover - never called
         raise AssertionError

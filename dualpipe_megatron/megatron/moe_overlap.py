@@ -103,6 +103,16 @@ def overlap_enabled(enabled: bool, config: Any, chunks: Sequence[nn.Module], for
     return not reasons
 
 
+def announce_overlap(overlapped: int, fb_ops: int) -> None:
+    """Say once per process, on global rank 0, that FB ops ran overlapped (the counterpart of the
+    warning above, so a log shows which way a run went)."""
+    if "on" in _warned or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    _warned.add("on")
+    print(f"DualPipe MoE F&B overlap on: {overlapped} of {fb_ops} FB ops on this rank ran "
+          f"through Megatron's combined_forward_backward_step", flush=True)
+
+
 class _Pending:
     """A plan-built forward waiting for its backward: what ``combined_forward_backward_step``
     needs as ``b_model``/``b_input_tensor``/``b_output_tensor``."""

@@ -25,12 +25,13 @@ from megatron.core.utils import get_model_config
 
 from ..runtime.executor import Executor, StepData, StepStats
 from ..runtime.p2p import P2P, MessagePlan
-from ..schedules import Schedule, ScheduleError, build_schedule, validate
+from ..schedules import FB, Schedule, ScheduleError, build_schedule, validate
 from ..trace.recorder import OpTracer
 from .grads import sum_mirrored_grads, sum_tied_embedding_grads
 from .predicates import running_chunk, stage_map_active
 from .topology import StageMap
 from .wgrad_megatron import install_linear_deferral
+from .wgrad_te import delayed_wgrad_problems, install_delayed_wgrad_deferral
 
 SCHEDULES = ("dualpipev", "dualpipe")
 
@@ -64,8 +65,6 @@ def unsupported_options(config: Any, forward_only: bool, collect_non_loss_data: 
         reasons.append("variable_seq_lengths (p2p shapes must be fixed)")
     if getattr(config, "mtp_num_layers", None):
         reasons.append("multi-token prediction (MTP placement on V-shaped chunks is not wired)")
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        reasons.append("overlap_moe_expert_parallel_comm (Megatron's combined 1F1B; not ours)")
     if getattr(config, "defer_embedding_wgrad_compute", False):
         reasons.append("defer_embedding_wgrad_compute")
     if collect_non_loss_data:
@@ -208,6 +207,7 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
         raise ValueError(f"unknown DualPipe schedule {options.schedule!r}; choose from {SCHEDULES}")
     if options.defer_weight_grads:
         install_linear_deferral()
+        install_delayed_wgrad_deferral()
 
     def forward_backward_dualpipe(
         *,
@@ -255,6 +255,10 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
 
         overlap = overlap_enabled(options.moe_overlap, config, chunks, forward_step_func, forward_only)
         stage_cls = MoEOverlapStage if overlap else _MegatronStage
+        problems = delayed_wgrad_problems(config, sched, rank, overlap, options.defer_weight_grads,
+                                          forward_only)
+        if problems:
+            raise ValueError(f"--pipeline-schedule {options.schedule}: " + "; ".join(problems))
         # -- end MoE F&B overlap --
         views: list[_DirectionView] = []
         for c, (d, s) in enumerate(sched.stages_on(rank)):
@@ -289,6 +293,10 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
             else:
                 executor.run(plan, data)
         options.last_stats = executor.stats
+        if overlap:
+            from .moe_overlap import announce_overlap
+
+            announce_overlap(executor.stats.overlapped, sum(isinstance(op, FB) for op in sched.ops[rank]))
         for view in views:
             view.finish()
 

@@ -107,11 +107,14 @@ def pre_validate(args: argparse.Namespace) -> None:
                 f"--pipeline-schedule {schedule} places stages itself; drop --{name.replace('_', '-')} "
                 f"(use --dualpipe-layout for uneven layers per stage)")
     for name, why in (("mtp_num_layers", "MTP is not wired for V-shaped chunks yet"),
-                      ("overlap_moe_expert_parallel_comm", "it is Megatron's combined-1F1B overlap"),
                       ("use_megatron_fsdp", "FSDP with our chunks is untested"),
                       ("use_torch_fsdp2", "FSDP with our chunks is untested")):
         if getattr(args, name, None):
             raise ValueError(f"--pipeline-schedule {schedule} does not support --{name.replace('_', '-')}: {why}")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False) and not getattr(args, "dualpipe_moe_overlap",
+                                                                                   True):
+        raise ValueError("--overlap-moe-expert-parallel-comm asks for the EP all-to-all overlap, which "
+                         "--no-dualpipe-moe-overlap turns off; drop one of them")
     if (getattr(args, "fp8", None) or getattr(args, "fp4", None)) and not _have_transformer_engine():
         raise ValueError(
             f"--pipeline-schedule {schedule} with FP8/FP4 needs Transformer Engine, which is not "

@@ -55,13 +55,15 @@ class StepStats:
     ``live``/``peak``: (d,s,m) whose activations this rank holds, from the start
     of its F until its weight grad is done (the simulator's definition).
     ``freed``: sent activations whose storage was released. ``deferred``:
-    weight-grad closures run by W ops.
+    weight-grad closures run by W ops. ``overlapped``: FB ops run through the
+    chunks' ``overlapped_forward_backward`` hook (the others ran F then B).
     """
 
     live: int = 0
     peak: int = 0
     freed: int = 0
     deferred: int = 0
+    overlapped: int = 0
 
 
 class OpObserver(Protocol):
@@ -234,6 +236,7 @@ class Executor:
         """An F&B pair through the chunk class's ``overlapped_forward_backward`` hook."""
         for needs in recvs:
             self._receive(needs, where)
+        self.stats.overlapped += 1
         module0, inputs0, criterion0, labels0 = self._forward_begin(f.key)
         module1, loss1, outputs1, grads1 = self._backward_begin(b.key)
         with deferring(b.key, enabled=self.defer and not b.w):
