@@ -11,7 +11,7 @@ Outside a deferred backward the original runs unchanged.
 
 Not deferred (they fall back to the full backward): sequence parallelism, Megatron's own
 ``wgrad_deferral_limit`` buffers and GTP weight re-materialisation. Transformer Engine layers
-defer through TE's own ``delay_wgrad_compute`` instead (not wired yet).
+defer through Megatron's ``delay_wgrad_compute`` instead (:mod:`.wgrad_te`).
 """
 
 from __future__ import annotations
