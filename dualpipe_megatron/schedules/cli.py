@@ -18,14 +18,14 @@ from .simulate import Costs, SimResult, simulate
 COMPARED = ["1f1b", "interleaved", "zb1p", "dualpipe", "dualpipev"]
 
 
-class _Parser(argparse.ArgumentParser):
+class CliParser(argparse.ArgumentParser):
     """argparse that reports usage errors on one line."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ScheduleError(f"{self.prog}: {message}")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -38,12 +38,12 @@ def _positive_int(text: str) -> int:
 def _add_shape(p: argparse.ArgumentParser, with_schedule: bool = True) -> None:
     if with_schedule:
         p.add_argument("--schedule", required=True, help=f"one of: {', '.join(GENERATORS)}")
-    p.add_argument("--ranks", "-P", type=_positive_int, required=True, help="pipeline ranks P")
-    p.add_argument("--microbatches", "-M", type=_positive_int, required=True,
+    p.add_argument("--ranks", "-P", type=positive_int, required=True, help="pipeline ranks P")
+    p.add_argument("--microbatches", "-M", type=positive_int, required=True,
                    help="micro-batches per step (both directions together for dualpipe)")
-    p.add_argument("--chunks", type=_positive_int, default=None,
+    p.add_argument("--chunks", type=positive_int, default=None,
                    help="model chunks per rank for interleaved (default 2)")
-    p.add_argument("--group-size", type=_positive_int, default=None,
+    p.add_argument("--group-size", type=positive_int, default=None,
                    help="interleaved: micro-batches per chunk group (Megatron's "
                         "microbatch_group_size_per_vp_stage; default P)")
 
@@ -74,7 +74,7 @@ def fmt(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{float(value):.4g}"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -118,7 +118,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     print(f"{res.schedule.name}: P={res.schedule.ranks} stages={res.schedule.stages} "
           f"M={res.schedule.microbatches} makespan={fmt(res.makespan)} "
           f"max bubble={fmt(res.max_bubble)} bubble ratio={float(res.bubble_ratio):.3f}")
-    print(_table(["rank", "stages", "ops", "busy", "bubble", "peak act."], rows))
+    print(markdown_table(["rank", "stages", "ops", "busy", "bubble", "peak act."], rows))
 
 
 def compare_rows(ranks: int, microbatches: int, costs: Costs) -> list[list[str]]:
@@ -158,7 +158,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
           f"c={fmt(costs.c)}; costs are for 1/P of the model and scale with stage size;\n"
           f"peak act. memory is in units of one 1/P-of-the-model stage; params/rank is a share "
           f"of the model")
-    print(_table(COMPARE_HEADER, compare_rows(args.ranks, args.microbatches, costs)))
+    print(markdown_table(COMPARE_HEADER, compare_rows(args.ranks, args.microbatches, costs)))
 
 
 def cmd_draw(args: argparse.Namespace) -> None:
@@ -171,8 +171,8 @@ def cmd_draw(args: argparse.Namespace) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dualpipe-schedules", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = CliParser(prog="dualpipe-schedules", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
     p = sub.add_parser("dump", help="print the schedule as contract JSON")
     _add_shape(p)
     p.set_defaults(func=cmd_dump)

@@ -1,0 +1,14 @@
+"""Calibrated projection: measured op costs plus a communication model, fed to the simulator."""
+
+from .comm import Network, a2a_ms, p2p_ms
+from .costs import StageTimes, schedule_costs, stage_times
+from .count import ChunkCount, count_chunk
+from .measure import OpCosts, measure
+from .project import VARIANTS, Projection, megatron_combined_1f1b, project
+from .shapes import DEEPSEEK_V3, PRESETS, LayerShape, ProjectionError
+
+__all__ = [
+    "ChunkCount", "DEEPSEEK_V3", "LayerShape", "Network", "OpCosts", "PRESETS", "Projection",
+    "ProjectionError", "StageTimes", "VARIANTS", "a2a_ms", "count_chunk", "measure",
+    "megatron_combined_1f1b", "p2p_ms", "project", "schedule_costs", "stage_times",
+]

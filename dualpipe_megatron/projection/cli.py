@@ -1,0 +1,165 @@
+"""``python -m dualpipe_megatron.projection``: measure op costs, project a DeepSeek-V3-like job.
+
+Bad input ends with one ``error:`` line and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..schedules.cli import CliParser, positive_int
+from ..schedules.ir import ScheduleError
+from .comm import Network
+from .costs import DEFAULT_TFLOPS, stage_times
+from .count import count_chunk
+from .measure import OpCosts, measure
+from .project import project
+from .report import assumptions_text, inputs_text, json_doc, markdown, rows
+from .shapes import DEEPSEEK_V3, PRESETS, ProjectionError
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _positive_number(text: str) -> float:
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _unit_interval(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number within [0, 1], got {text}")
+    return value
+
+
+def _write_json(path: str, doc: object) -> None:
+    try:
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    except OSError as exc:
+        raise ProjectionError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def cmd_measure(args: argparse.Namespace) -> None:
+    shape = PRESETS[args.preset]
+    overrides = {k: v for k, v in (("layers", args.layers), ("seq", args.seq)) if v}
+    shape = replace(shape, **overrides)
+    on_cpu = args.device == "cpu" or not torch.cuda.is_available()
+    if on_cpu or args.threads:
+        torch.set_num_threads(args.threads or 1)
+    costs = measure(shape, args.device, args.dtype, args.repeats, args.warmup)
+    _write_json(args.output, costs.to_json_obj())
+    ms = ", ".join(f"{op} {v:.3f}" for op, v in costs.ms.items())
+    print(f"{costs.device}, {costs.dtype}, preset {args.preset} ({shape.layers} layers, "
+          f"hidden {shape.hidden}, {shape.mbs}x{shape.seq} tokens): median ms {ms}; "
+          f"wrote {args.output}")
+
+
+def _load(path: str) -> OpCosts:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ProjectionError(f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ProjectionError(f"{path} is not JSON: {exc}") from None
+    return OpCosts.from_json_obj(doc)
+
+
+def cmd_project(args: argparse.Namespace) -> None:
+    target = replace(DEEPSEEK_V3, ep=args.ep, layers=args.layers_per_rank, seq=args.seq,
+                     mbs=args.mbs, hidden=args.hidden, topk=args.topk)
+    net = Network(**{f.name: getattr(args, f.name) for f in fields(Network)})
+    measured = _load(args.op_costs) if args.op_costs else None
+    chunk = count_chunk(target)
+    times = stage_times(target, chunk, measured, args.tflops, net)
+    table = rows(project(times, args.ranks, args.microbatches, args.chunks, args.overlap_loss),
+                 chunk)
+    print(inputs_text(target, times, net, args.ranks, args.microbatches, args.chunks,
+                      args.overlap_loss))
+    print()
+    print(markdown(table))
+    print()
+    print("Assumptions:")
+    print(assumptions_text())
+    if args.json:
+        _write_json(args.json, json_doc(target, times, net, args.ranks, args.microbatches,
+                                        args.chunks, args.overlap_loss, table, args.op_costs))
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog="dualpipe-projection", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
+
+    p = sub.add_parser("measure", help="time F, B, B(w=false), W and F-then-B of one chunk")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
+                   help="layer shape to measure (default cpu; h200: full-width, 2 layers)")
+    p.add_argument("--layers", type=positive_int, help="MoE layers in the chunk (preset's)")
+    p.add_argument("--seq", type=positive_int, help="sequence length (preset's)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: the GPU when torch sees one")
+    p.add_argument("--dtype", default="auto",
+                   help="torch dtype name; auto: bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--repeats", type=positive_int, default=9, help="timed rounds (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads (default 1 on a CPU: timed by process CPU time, which a "
+                        "busy host does not inflate; more threads are timed by wall clock)")
+    p.add_argument("-o", "--output", required=True, help="op-cost JSON to write")
+    p.set_defaults(func=cmd_measure)
+
+    p = sub.add_parser("project", help="table of step time and bubble per schedule")
+    p.add_argument("--op-costs", help="JSON from `measure`; default: built-in FLOP-based costs")
+    p.add_argument("--tflops", type=_positive_number, default=None,
+                   help=f"built-in costs: achieved TFLOP/s (default {DEFAULT_TFLOPS:g}); with "
+                        "--op-costs: rescale so F runs at this rate, keeping measured ratios")
+    job = p.add_argument_group("job (DeepSeek-V3-like)")
+    job.add_argument("--ranks", "-P", type=positive_int, default=16, help="pipeline ranks")
+    job.add_argument("--microbatches", "-M", type=positive_int, default=48,
+                     help="micro-batches per step, all schedules (DualPipe: half per direction)")
+    job.add_argument("--chunks", type=positive_int, default=2, help="interleaved chunks per rank")
+    job.add_argument("--ep", type=positive_int, default=DEEPSEEK_V3.ep, help="expert parallel")
+    job.add_argument("--layers-per-rank", type=positive_int, default=DEEPSEEK_V3.layers,
+                     help="MoE layers in 1/P of the model")
+    job.add_argument("--seq", type=positive_int, default=DEEPSEEK_V3.seq)
+    job.add_argument("--mbs", type=positive_int, default=DEEPSEEK_V3.mbs, help="micro-batch size")
+    job.add_argument("--hidden", type=positive_int, default=DEEPSEEK_V3.hidden)
+    job.add_argument("--topk", type=positive_int, default=DEEPSEEK_V3.topk)
+    net = p.add_argument_group("network (achieved GB/s per GPU)")
+    default = Network()
+    for f in fields(Network):
+        kind = positive_int if f.type in (int, "int") else _number
+        net.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
+                         default=getattr(default, f.name), help=f"default {getattr(default, f.name)}")
+    p.add_argument("--overlap-loss", type=_unit_interval, default=0.1,
+                   help="share of the shorter of compute and all-to-all left exposed in an F&B "
+                        "pair (0: perfect overlap, 1: none; default 0.1)")
+    p.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
+    p.set_defaults(func=cmd_project)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = make_parser().parse_args(argv)
+        args.func(args)
+    except (ProjectionError, ScheduleError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

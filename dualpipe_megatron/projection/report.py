@@ -1,0 +1,131 @@
+"""The projection as a markdown table with its inputs and assumptions, or as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from ..schedules.cli import markdown_table
+from ..schedules.ir import ScheduleError
+from .comm import Network
+from .costs import StageTimes
+from .count import ChunkCount
+from .project import Projection
+from .shapes import LayerShape
+
+GIB = 2**30
+
+ASSUMPTIONS = [
+    "Compute: per-op costs of a chunk are measured single-process (no communication) and "
+    "scaled to the target shape by each op's FLOP ratio, i.e. the same achieved FLOP/s at "
+    "both shapes; FLOPs count matrix products and attention only, causal attention as full.",
+    "The measured layer is plain torch shaped like DeepSeek-V3's (MLA + MoE, 256 experts "
+    "top-8, one shared); an EP rank's experts get a perfectly balanced load; rotary "
+    "embedding, embedding/output layers and the first dense layers are left out.",
+    "All-to-all: dispatch + combine per MoE layer each way; a token crosses the inter-node "
+    "network once per remote node it routes to (at most nodes_per_token of the EP group's "
+    "nodes, uniform) and NVLink for each of its top-k copies not on its landing GPU; the two "
+    "links overlap, payloads are in the activation dtype (DeepSeek-V3's FP8 dispatch is not "
+    "modelled).",
+    "Lone F and B pay their all-to-all in full; an F&B pair (DualPipe, DualPipeV, Megatron's "
+    "combined 1F1B) costs max(compute, a2a) + loss x min(compute, a2a); W moves nothing.",
+    "interleaved+a2a is Megatron's --overlap-moe-expert-parallel-comm order: one extra "
+    "warm-up forward, then each steady-state F and B as one overlapped pair.",
+    "p2p: hidden states of one micro-batch per stage boundary at p2p bandwidth plus latency, "
+    "delaying the consumer only (asynchronous sends); every stage boundary between ranks is "
+    "inter-node.",
+    "Bubble = step time minus a rank's op time; exposed all-to-all counts as op time, so "
+    "compare step times for its effect. Activations: saved tensors of our layer (flash-style "
+    "attention, no recompute); params: one EP rank's share of the layers, no embeddings, "
+    "no optimizer state.",
+]
+
+
+def _ms(value: float) -> str:
+    return f"{value:,.1f}"
+
+
+def rows(results: list[Projection | ScheduleError], chunk: ChunkCount) -> list[dict[str, Any]]:
+    """Figures per schedule; ``chunk`` is one 1/P stage of the target model."""
+    base = next((r.result.makespan for r in results
+                 if isinstance(r, Projection) and r.variant.label == "1f1b"), None)
+    out: list[dict[str, Any]] = []
+    for r in results:
+        if isinstance(r, ScheduleError):
+            out.append({"schedule": None, "error": str(r)})
+            continue
+        res = r.result
+        peak = r.peak_stage_activations
+        out.append({
+            "schedule": r.variant.label,
+            "stages": res.schedule.stages,
+            "step_ms": float(res.makespan),
+            "vs_1f1b": float(res.makespan / base) if base else None,
+            "bubble_ratio": float(res.bubble_ratio),
+            "max_bubble_ms": float(res.max_bubble),
+            "exposed_a2a_ms": r.exposed_a2a_ms,
+            "peak_activations_stages": float(peak),
+            "peak_activations_gib": float(peak) * chunk.saved_bytes / GIB,
+            "params_per_rank": float(res.params_per_rank * res.schedule.ranks) * chunk.params,
+        })
+    return out
+
+
+def markdown(table: list[dict[str, Any]]) -> str:
+    header = ["schedule", "stages", "step (ms)", "vs 1F1B", "bubble ratio", "max bubble (ms)",
+              "exposed A2A (ms)", "peak act. (1/P stages)", "peak act. (GiB)",
+              "params/rank (B)"]
+    lines = []
+    for row in table:
+        if row["schedule"] is None:
+            lines.append(["n/a: " + row["error"]] + ["-"] * (len(header) - 1))
+            continue
+        lines.append([
+            row["schedule"], str(row["stages"]), _ms(row["step_ms"]),
+            f"{row['vs_1f1b']:.3f}" if row["vs_1f1b"] else "-",
+            f"{row['bubble_ratio']:.3f}", _ms(row["max_bubble_ms"]),
+            _ms(row["exposed_a2a_ms"]), f"{row['peak_activations_stages']:g}",
+            f"{row['peak_activations_gib']:.1f}", f"{row['params_per_rank'] / 1e9:.2f}",
+        ])
+    return markdown_table(header, lines)
+
+
+def inputs_text(target: LayerShape, times: StageTimes, net: Network, ranks: int,
+                microbatches: int, chunks: int, loss: float) -> str:
+    s = target
+    return "\n".join([
+        f"Job: P={ranks} pipeline ranks, EP={s.ep}, M={microbatches} micro-batches per step "
+        f"(DualPipe: {microbatches // 2} per direction), interleaved with {chunks} chunks; "
+        f"one 1/P stage = {s.layers} MoE layers of hidden {s.hidden}, top-{s.topk} of "
+        f"{s.experts} experts, {s.mbs}x{s.seq} tokens per micro-batch.",
+        f"Compute per 1/P stage and micro-batch ({times.source}): F {_ms(times.F)} ms, "
+        f"B {_ms(times.B)} ms, W {_ms(times.W)} ms, F-then-B {_ms(times.FB)} ms.",
+        f"Communication per 1/P stage and micro-batch: all-to-all {_ms(times.a2a_fwd)} ms "
+        f"forward + {_ms(times.a2a_bwd)} ms backward; p2p {times.p2p:.2f} ms per boundary. "
+        f"Links: inter-node {net.ib_gbps:g} GB/s, NVLink {net.nvlink_gbps:g} GB/s, p2p "
+        f"{net.p2p_gbps:g} GB/s + {net.p2p_latency_ms:g} ms, {net.gpus_per_node} GPUs/node, "
+        f"tokens to <= {net.nodes_per_token} nodes, {net.dtype_bytes}-byte payloads; "
+        f"F&B overlap loss {loss:g}.",
+    ])
+
+
+def assumptions_text() -> str:
+    return "\n".join(f"- {a}" for a in ASSUMPTIONS)
+
+
+def json_doc(target: LayerShape, times: StageTimes, net: Network, ranks: int,
+             microbatches: int, chunks: int, loss: float, table: list[dict[str, Any]],
+             op_costs: str | None) -> dict[str, Any]:
+    return {
+        "job": {"ranks": ranks, "microbatches": microbatches, "chunks": chunks,
+                "stage_shape": target.to_json_obj()},
+        "op_costs": op_costs or "built-in",
+        "network": asdict(net),
+        "overlap_loss": loss,
+        "stage_ms": asdict(times),
+        "rows": table,
+        "assumptions": ASSUMPTIONS,
+    }
+
+
+__all__ = ["ASSUMPTIONS", "assumptions_text", "inputs_text", "json_doc", "markdown", "rows"]
