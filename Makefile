@@ -24,9 +24,14 @@ demo: setup
 	$(PY) -m dualpipe_megatron.schedules draw --schedule dualpipev --ranks 4 --microbatches 10 -o outputs/dualpipev_p4_m10.png
 	$(PY) -m dualpipe_megatron.demo
 
+# Side by side on this machine, then the calibrated projection (measured op costs -> simulator).
 bench: setup
+	$(PY) bench/bench_megatron.py
 	$(PY) bench/bench_runtime.py
 	$(PY) bench/trace_overhead.py
+	$(PY) -m dualpipe_megatron.projection measure -o bench/results/cpu_op_costs.json
+	$(PY) -m dualpipe_megatron.projection project --op-costs bench/results/cpu_op_costs.json \
+		--tflops 400 --json bench/results/projection.json
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .hypothesis

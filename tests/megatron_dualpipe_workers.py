@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-from megatron_workers import _batches, _config, _forward_step, _global_name, _max_diff, _verdict, publish
+from dualpipe_megatron.megatron.model import global_param_name
+from megatron_workers import _batches, _config, _forward_step, _max_diff, _verdict, publish
 
 VOCAB, SEQ, HIDDEN = 64, 8, 16
 TOLERANCE = 1e-6  # relative to the largest reference value, per tensor
@@ -41,7 +42,7 @@ def _parallel(pp: int, vpp: int | None, tied_local: bool) -> None:
 def _fill(model: torch.nn.Module, tied: bool) -> None:
     """Weights from a generator seeded by the global name; a tied output copy is the embedding."""
     for name, param in model.named_parameters():
-        gname = _global_name(model, name)
+        gname = global_param_name(model, name)
         if tied and gname == "output_layer.weight":
             gname = "embedding.word_embeddings.weight"
         gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
@@ -96,7 +97,7 @@ def _grads(chunks: list[torch.nn.Module], tied: bool) -> dict[str, list[torch.Te
     out: dict[str, list[torch.Tensor]] = {}
     for model in chunks:
         for name, p in model.named_parameters():
-            gname = _global_name(model, name)
+            gname = global_param_name(model, name)
             if tied and gname == "output_layer.weight":
                 gname = "embedding.word_embeddings.weight"
             out.setdefault(gname, []).append(p.grad.detach().clone())
@@ -292,7 +293,7 @@ def _ddp_step(chunks: list[torch.nn.Module], fb, m: int, seed: int) -> tuple[lis
     grads: dict[str, list[torch.Tensor]] = {}
     for model in chunks:
         for name, p in model.named_parameters():
-            gname = _global_name(model, name)
+            gname = global_param_name(model, name)
             if model.share_embeddings_and_output_weights and gname == "output_layer.weight":
                 gname = "embedding.word_embeddings.weight"
             grads.setdefault(gname, []).append(p.main_grad.detach().clone())

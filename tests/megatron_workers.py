@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
+from dualpipe_megatron.megatron.model import global_param_name
 
 VOCAB, SEQ, MBS, HIDDEN, HEADS = 64, 8, 2, 16, 2
 MICROBATCHES = 4
@@ -61,17 +62,6 @@ def _config(num_layers: int, pp: int, vpp: int | None, **moe: object):
     )
 
 
-def _global_name(model: torch.nn.Module, name: str) -> str:
-    """Parameter name in the unsplit model: global layer number, global expert index."""
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        layer = model.decoder.layers[int(parts[2])]
-        parts[2] = str(layer.layer_number - 1)
-        if "local_experts" in parts:
-            i = parts.index("local_experts") + 1
-            parts[i] = str(layer.mlp.local_expert_indices[int(parts[i])])
-    return ".".join(parts)
-
 
 def _build(num_layers: int, pp: int, vpp: int | None, **moe: object) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
@@ -94,7 +84,7 @@ def _build(num_layers: int, pp: int, vpp: int | None, **moe: object) -> list[tor
             vp_stage=stage,
         )
         for name, param in model.named_parameters():
-            gname = _global_name(model, name)
+            gname = global_param_name(model, name)
             gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
             value = 0.1 * torch.randn(param.shape, generator=gen)
             param.data.copy_(value + 1.0 if name.endswith("norm.weight") else value)
@@ -165,7 +155,7 @@ def _train_step(chunks: list[torch.nn.Module], data_seed: int) -> list[torch.Ten
 def _named(chunks: list[torch.nn.Module], attr: str) -> dict[str, torch.Tensor]:
     """`param.<attr>` of every parameter, keyed by global name."""
     return {
-        _global_name(m, n): getattr(p, attr).detach().clone()
+        global_param_name(m, n): getattr(p, attr).detach().clone()
         for m in chunks
         for n, p in m.named_parameters()
     }

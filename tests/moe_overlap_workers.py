@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-from megatron_workers import _global_name, _verdict, publish
+from dualpipe_megatron.megatron.model import global_param_name
+from megatron_workers import _verdict, publish
 
 VOCAB, SEQ, MBS, HIDDEN, HEADS, LAYERS, PP, EP = 64, 8, 2, 16, 2, 8, 2, 2
 # Relative to the largest reference value of each tensor. Same plans, same bf16 kernels: only
@@ -84,7 +85,7 @@ def _gpt(config, pre: bool, post: bool, vp_stage: int) -> torch.nn.Module:
                      max_sequence_length=SEQ, pre_process=pre, post_process=post,
                      share_embeddings_and_output_weights=False, vp_stage=vp_stage)
     for name, param in model.named_parameters():
-        gen = torch.Generator().manual_seed(zlib.crc32(_global_name(model, name).encode()))
+        gen = torch.Generator().manual_seed(zlib.crc32(global_param_name(model, name).encode()))
         value = 0.1 * torch.randn(param.shape, generator=gen)
         param.data.copy_(value + 1.0 if name.endswith("norm.weight") else value)
     return model.bfloat16()
@@ -133,7 +134,7 @@ def _collect(chunks, wrapped, reports) -> Result:
     grads = {}
     for model in chunks:
         for name, p in model.named_parameters():
-            grads[f"dp{dp}:{_global_name(model, name)}"] = p.main_grad.detach().clone()
+            grads[f"dp{dp}:{global_param_name(model, name)}"] = p.main_grad.detach().clone()
     losses = {f"dp{dp}": [float(r["lm loss"]) for r in reports]} if reports else {}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (losses, grads))

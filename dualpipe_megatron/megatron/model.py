@@ -137,3 +137,16 @@ def model_config_kwargs(schedule: str, pipeline_size: int, num_layers: int,
         "virtual_pipeline_model_parallel_size": 2,
         "pipeline_model_parallel_layout": dualpipe_layout(schedule, pipeline_size, num_layers, layout),
     }
+
+
+def global_param_name(model: nn.Module, name: str) -> str:
+    """A chunk parameter's name in the unsplit model (global layer number, global expert index),
+    so parameters can be compared across pipeline layouts and schedules."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+        if "local_experts" in parts:
+            i = parts.index("local_experts") + 1
+            parts[i] = str(layer.mlp.local_expert_indices[int(parts[i])])
+    return ".".join(parts)

@@ -1,0 +1,95 @@
+"""Peak activation bytes of one step, the same meter for every schedule.
+
+CPU tensors have no allocator statistics, so the meter counts what a pipeline
+schedule actually decides about: storages kept alive for backward. A storage
+counts from the moment autograd saves a tensor on it (or a deferred weight-grad
+closure captures one) until the last such holder is gone; storages shared by
+several saved tensors count once, parameters never. Receive buffers, gradients
+and temporaries are not activations and are not counted.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+
+from dualpipe_megatron.runtime.wgrad import WeightGradStore
+
+
+class _Saved:
+    """What the graph holds instead of a saved tensor: its lifetime is the saved tensor's."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _captured_tensors(func: Callable[[], None]) -> list[torch.Tensor]:
+    """Tensors a weight-grad closure or ``functools.partial`` keeps alive."""
+    if isinstance(func, partial):
+        values: Iterable[Any] = (*func.args, *func.keywords.values())
+    else:
+        values = (cell.cell_contents for cell in (getattr(func, "__closure__", None) or ()))
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+class ActivationMeter:
+    """Live and peak bytes of storages held for backward, outside ``params``."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._excluded = {p.untyped_storage().data_ptr() for p in params}
+        self._holders: dict[int, int] = {}  # storage address -> holders alive
+        self.live = 0
+        self.peak = 0
+
+    def _hold(self, tensor: torch.Tensor, holder: object) -> None:
+        storage = tensor.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in self._excluded or size == 0:
+            return
+        if self._holders.get(key, 0) == 0:
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        weakref.finalize(holder, self._release, key, size)
+
+    def _release(self, key: int, size: int) -> None:
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            del self._holders[key]
+            self.live -= size
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        holder = _Saved(tensor)
+        self._hold(tensor, holder)
+        return holder
+
+    @staticmethod
+    def _unpack(holder: _Saved) -> torch.Tensor:
+        return holder.tensor
+
+    def _put(self, original: Callable[[Callable[[], None]], None], func: Callable[[], None]) -> None:
+        for tensor in _captured_tensors(func):
+            self._hold(tensor, func)
+        original(func)
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Count while inside; ``peak`` is then the most bytes held at once beyond the bytes
+        already held on entry."""
+        saved = vars(WeightGradStore)["put"]
+        WeightGradStore.put = partial(self._put, WeightGradStore.put)  # type: ignore[method-assign]
+        start = self.live
+        self.peak = start
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            WeightGradStore.put = saved  # type: ignore[method-assign]
+        self.peak -= start

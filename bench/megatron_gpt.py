@@ -1,0 +1,172 @@
+"""A Megatron-Core GPT (dense, or MoE with expert parallelism) run by Megatron's 1F1B and
+interleaved schedules and by our DualPipeV and DualPipe, as benchmark variants.
+
+Every variant holds the same weights (each parameter seeded by its global name), reads the
+same micro-batches (per data-parallel rank) and differs only in schedule and placement. Each
+initialises its own parallel state once; :class:`Variant` switches to it before every step.
+Megatron's schedules get the p2p settings Megatron's training sets: batched p2p for 1F1B,
+overlapped p2p for interleaved, pipeline outputs deallocated after sending.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from busy_time import ComputeClock
+from mcore_state import ParallelState
+from variant import Variant, all_params
+
+MEGATRON_SCHEDULES = ("1f1b", "interleaved")
+OUR_SCHEDULES = ("dualpipev", "dualpipe")
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """Model and batch sizes; ``experts`` 0 is a dense model."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    micro_batch: int
+    vocab: int
+    experts: int = 0
+    expert_ffn: int = 0
+    topk: int = 2
+
+    def moe_kwargs(self) -> dict[str, Any]:
+        if not self.experts:
+            return {}
+        return dict(num_moe_experts=self.experts, moe_router_topk=self.topk, moe_ffn_hidden_size=self.expert_ffn,
+                    moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
+                    add_bias_linear=False)  # expert bias + probs: in-place-on-view error in 0.19.2
+
+
+def _config(shape: GPTShape, pp: int, vpp: int | None, ep: int, **layout: Any):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        # As megatron.training sets them: overlapped p2p for interleaved, batched p2p otherwise.
+        overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None, deallocate_pipeline_outputs=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        **shape.moe_kwargs(), **layout,
+    )
+
+
+
+def _gpt(config: Any, shape: GPTShape, pre: bool, post: bool, vp_stage: int | None) -> nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from dualpipe_megatron.megatron.model import global_param_name
+
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=shape.experts or None),
+                     vocab_size=shape.vocab, max_sequence_length=shape.seq, pre_process=pre,
+                     post_process=post, share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            gen = torch.Generator().manual_seed(zlib.crc32(global_param_name(model, name).encode()))
+            offset = 1.0 if name.endswith("norm.weight") else 0.0
+            param.copy_(0.02 * torch.randn(param.shape, generator=gen) + offset)
+    return model
+
+
+def _batches(shape: GPTShape, count: int) -> list[dict[str, torch.Tensor]]:
+    """The step's micro-batches of this data-parallel rank."""
+    from megatron.core import parallel_state as ps
+
+    gen = torch.Generator().manual_seed(ps.get_data_parallel_rank())
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=gen)
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                    "position_ids": torch.arange(shape.seq).expand(shape.micro_batch, shape.seq)})
+    return out
+
+
+def _loss(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = output.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: nn.Module,
+                  return_schedule_plan: bool = False):
+    """Megatron's convention; with ``return_schedule_plan`` (our MoE F&B overlap) a schedule plan."""
+    batch = next(data_iterator)
+    args = (batch["tokens"], batch["position_ids"], None)
+    if return_schedule_plan:
+        return model.build_schedule_plan(*args, labels=batch["labels"]), _loss
+    return model(*args, labels=batch["labels"]), _loss
+
+
+def _stepper(forward_backward: Any, chunks: list[nn.Module], shape: GPTShape, m: int):
+    batches = _batches(shape, m)
+
+    def run() -> None:
+        forward_backward(forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks],
+                         model=chunks, num_microbatches=m, seq_length=shape.seq,
+                         micro_batch_size=shape.micro_batch)
+    return run
+
+
+def megatron_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, clock: ComputeClock) -> Variant:
+    """Megatron's own 1F1B, or interleaved 1F1B with two virtual stages per rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    vpp = 2 if schedule == "interleaved" else None
+    state = ParallelState(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                          expert_model_parallel_size=ep)
+    config = _config(shape, pp, vpp, ep)
+    stages = [None] if vpp is None else list(range(vpp))
+    chunks = [_gpt(config, shape, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                   ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v), v) for v in stages]
+    run = _stepper(get_forward_backward_func(), chunks, shape, m)
+    return Variant(schedule, run, all_params(chunks), state.activate, clock=clock)
+
+
+def our_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, trace_root: Path) -> Variant:
+    """Our DualPipeV or DualPipe through ``make_forward_backward_func``, traced for busy time."""
+    from megatron.core import parallel_state as ps
+
+    from dualpipe_megatron.megatron.model import chunk_roles, embedding_ranks, model_config_kwargs, prepare_model
+    from dualpipe_megatron.megatron.schedule import DualPipeOptions, make_forward_backward_func, stage_map_for
+
+    state = ParallelState(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2,
+                          expert_model_parallel_size=ep, get_embedding_ranks=embedding_ranks)
+    layout = model_config_kwargs(schedule, pp, shape.layers)["pipeline_model_parallel_layout"]
+    config = _config(shape, pp, 2, ep, pipeline_model_parallel_layout=layout)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    chunks = [_gpt(config, shape, r.pre_process, r.post_process, r.vp_stage)
+              for r in chunk_roles(stage_map_for(schedule, pp), pp_rank)]
+    trace_dir = trace_root / schedule
+    options = prepare_model(chunks, DualPipeOptions(schedule=schedule, timeout=300, trace_dir=str(trace_dir)),
+                            pp_rank, pp)
+    run = _stepper(make_forward_backward_func(options), chunks, shape, m)
+    return Variant(schedule, run, all_params(chunks), state.activate, trace_dir=trace_dir)
+
+
+def build(schedules: list[str], shape: GPTShape, pp: int, ep: int, m: int, clock: ComputeClock,
+          trace_root: Path) -> list[Variant]:
+    """The variants in ``schedules`` order (collective: every rank builds the same list)."""
+    out = []
+    for schedule in schedules:
+        if schedule in MEGATRON_SCHEDULES:
+            out.append(megatron_variant(schedule, shape, pp, ep, m, clock))
+        else:
+            out.append(our_variant(schedule, shape, pp, ep, m, trace_root))
+        dist.barrier()
+    return out
