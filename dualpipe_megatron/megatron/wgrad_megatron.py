@@ -23,7 +23,7 @@ import torch
 from ..runtime.wgrad import WeightGradStore
 from .guard import patch_attr
 
-_original: list[Callable] = []
+_original: dict[str, Callable] = {}
 _zeros: dict[tuple, torch.Tensor] = {}
 
 
@@ -74,15 +74,26 @@ def _deferrable(ctx: Any) -> bool:
             and ctx.grad_output_buffer is None and ctx.gtp_remat_size <= 1)
 
 
+def _forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    """The original forward; keeps the parameter itself for a deferred backward.
+
+    Under saved-tensor hooks (activation offloading, memory meters) ``ctx.saved_tensors`` hands
+    back new tensor objects: a weight grad accumulated into one of those would be lost.
+    """
+    ctx.dualpipe_weight = weight
+    return _original["forward"](ctx, input, weight, *args)
+
+
 def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     if not _deferrable(ctx):
-        return _original[0](ctx, grad_output)
+        return _original["backward"](ctx, grad_output)
     from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
-    input, weight = ctx.saved_tensors
+    input, saved_weight = ctx.saved_tensors
+    weight = ctx.dualpipe_weight
     if ctx.gradient_accumulation_fusion:
         weight.main_grad = ctx.main_grad
-    grad_input = grad_output.matmul(weight)
+    grad_input = grad_output.matmul(saved_weight)
     handle = (torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
               if ctx.allreduce_dgrad else None)
     grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, input)
@@ -95,10 +106,12 @@ def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
 
 
 def install_linear_deferral() -> None:
-    """Patch the linear autograd function's backward (once; guarded like every patch)."""
+    """Patch the linear autograd function's forward and backward (once; guarded like every patch)."""
     from megatron.core.tensor_parallel import layers
 
     owner = layers.LinearWithGradAccumulationAndAsyncCommunication
-    original = owner.backward
+    forward, backward = owner.forward, owner.backward
+    if patch_attr(owner, "forward", staticmethod(_forward), ["ctx", "input", "weight"]):
+        _original["forward"] = forward
     if patch_attr(owner, "backward", staticmethod(layers.custom_bwd(_backward)), ["ctx", "grad_output"]):
-        _original.append(original)
+        _original["backward"] = backward

@@ -30,14 +30,14 @@ from ..schedules import B, Schedule, W
 from ..schedules.ir import halves
 from .guard import patch_attr
 
-_original: list[Callable] = []
+_original: dict[str, Callable] = {}
 
 
 def _backward_dw(node: Any) -> None:
     if WeightGradStore.enabled and node.delay_wgrad_compute:
-        WeightGradStore.put(partial(_original[-1], node))
+        WeightGradStore.put(partial(_original["backward_dw"], node))
         return
-    _original[-1](node)
+    _original["backward_dw"](node)
 
 
 def install_delayed_wgrad_deferral() -> None:
@@ -46,7 +46,7 @@ def install_delayed_wgrad_deferral() -> None:
 
     original = TransformerLayerNode.backward_dw
     if patch_attr(TransformerLayerNode, "backward_dw", _backward_dw, ["self"]):
-        _original.append(original)
+        _original["backward_dw"] = original
 
 
 def fifo_order_violations(sched: Schedule, rank: int) -> list[str]:

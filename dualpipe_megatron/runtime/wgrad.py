@@ -138,13 +138,17 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(input, weight)
-        ctx.bias = bias
+        ctx.save_for_backward(input)
+        # The parameters themselves, not saved copies: under saved-tensor hooks (offloading,
+        # memory meters) ``saved_tensors`` gives back new tensor objects, and a deferred grad
+        # accumulated into one of those would be lost.
+        ctx.weight, ctx.bias = weight, bias
         return TF.linear(input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        input, weight = ctx.saved_tensors
+        (input,) = ctx.saved_tensors
+        weight = ctx.weight
         need_input, need_weight, need_bias = ctx.needs_input_grad
         grad2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_input = grad2d.mm(weight).view(input.shape) if need_input else None
