@@ -28,9 +28,11 @@ Eligible: training steps of MoE models with expert parallelism > 1 and the
 ``DualPipeOptions.moe_overlap = False`` turns it off.
 
 Megatron's flag ``overlap_moe_expert_parallel_comm`` is not needed: it only
-selects Megatron's combined 1F1B schedule. Megatron requires bf16/fp16 for it;
-our path has no such requirement (on CPU the streams and events are stand-ins
-from :mod:`.cpu_compat` and the plans run in program order).
+selects Megatron's combined 1F1B schedule, and under our schedules it is accepted
+as asking for this overlap (Megatron requires it for ``delay_wgrad_compute``, see
+:mod:`.wgrad_te`). Megatron requires bf16/fp16 for it; our path has no such
+requirement (on CPU the streams and events are stand-ins from :mod:`.cpu_compat`
+and the plans run in program order).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from torch import nn
 
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
+from ..schedules import FB, Op
 from .predicates import running_chunk
 from .schedule import _MegatronStage, _Step
 
-_warned: set[str] = set()
+_said: set[str] = set()  # messages printed once per process
 
 
 def _accepts_schedule_plan(func: Callable) -> bool:
@@ -97,18 +100,19 @@ def overlap_enabled(enabled: bool, config: Any, chunks: Sequence[nn.Module], for
     reasons = overlap_blockers(config, chunks, forward_step_func)
     if reasons and getattr(config, "num_moe_experts", None):
         message = "; ".join(reasons)
-        if message not in _warned:
-            _warned.add(message)
+        if message not in _said:
+            _said.add(message)
             warnings.warn(f"DualPipe MoE F&B overlap off, running F then B: {message}", stacklevel=3)
     return not reasons
 
 
-def announce_overlap(overlapped: int, fb_ops: int) -> None:
-    """Say once per process, on global rank 0, that FB ops ran overlapped (the counterpart of the
-    warning above, so a log shows which way a run went)."""
-    if "on" in _warned or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+def announce_overlap(overlapped: int, rank_ops: Sequence[Op]) -> None:
+    """Say once per process, on global rank 0, how many of this rank's FB ops ran overlapped (the
+    counterpart of the warning above, so a log shows which way a run went)."""
+    if "overlap on" in _said or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
         return
-    _warned.add("on")
+    _said.add("overlap on")
+    fb_ops = sum(isinstance(op, FB) for op in rank_ops)
     print(f"DualPipe MoE F&B overlap on: {overlapped} of {fb_ops} FB ops on this rank ran "
           f"through Megatron's combined_forward_backward_step", flush=True)
 

@@ -25,7 +25,7 @@ from megatron.core.utils import get_model_config
 
 from ..runtime.executor import Executor, StepData, StepStats
 from ..runtime.p2p import P2P, MessagePlan
-from ..schedules import FB, Schedule, ScheduleError, build_schedule, validate
+from ..schedules import Schedule, ScheduleError, build_schedule, validate
 from ..trace.recorder import OpTracer
 from .grads import sum_mirrored_grads, sum_tied_embedding_grads
 from .predicates import running_chunk, stage_map_active
@@ -251,7 +251,7 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
                      forward_only, first_val_step)
         stages: dict[tuple[int, int], _MegatronStage] = {}
         # -- MoE F&B overlap (moe_overlap.py): plan-built stages and the executor's FB hook --
-        from .moe_overlap import MoEOverlapStage, overlap_enabled
+        from .moe_overlap import MoEOverlapStage, announce_overlap, overlap_enabled
 
         overlap = overlap_enabled(options.moe_overlap, config, chunks, forward_step_func, forward_only)
         stage_cls = MoEOverlapStage if overlap else _MegatronStage
@@ -294,9 +294,7 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
                 executor.run(plan, data)
         options.last_stats = executor.stats
         if overlap:
-            from .moe_overlap import announce_overlap
-
-            announce_overlap(executor.stats.overlapped, sum(isinstance(op, FB) for op in sched.ops[rank]))
+            announce_overlap(executor.stats.overlapped, sched.ops[rank])
         for view in views:
             view.finish()
 
