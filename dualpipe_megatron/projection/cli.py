@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from ..schedules.cli import CliParser, positive_int
+from ..schedules.cli import CliParser, positive_int, run_command
 from ..schedules.ir import ScheduleError
 from .comm import Network
 from .costs import DEFAULT_TFLOPS, stage_times
@@ -152,13 +151,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = make_parser().parse_args(argv)
-        args.func(args)
-    except (ProjectionError, ScheduleError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(make_parser(), argv, (ProjectionError, ScheduleError))
 
 
 if __name__ == "__main__":

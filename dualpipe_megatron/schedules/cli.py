@@ -195,14 +195,20 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                errors: tuple[type[Exception], ...]) -> int:
+    """Parse and run a subcommand (``args.func``); one ``error:`` line and status 2 for ``errors``."""
     try:
-        args = make_parser().parse_args(argv)
+        args = parser.parse_args(argv)
         args.func(args)
-    except ScheduleError as exc:
+    except errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(make_parser(), argv, (ScheduleError,))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..schedules.cli import run_command
 from ..schedules.ir import ScheduleError
 from .analysis import analyze, analyze_pipeline
 from .chrome import write_chrome_trace
@@ -67,13 +67,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (TraceError, ScheduleError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(make_parser(), argv, (TraceError, ScheduleError, OSError))
 
 
 __all__ = ["main", "make_parser"]
