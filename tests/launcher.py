@@ -18,6 +18,12 @@ from dualpipe_megatron.megatron.cpu_compat import DISABLE_ENV
 Verdicts = dict[str, dict[str, object]]
 
 
+def assert_verdict(verdicts: Verdicts, key: str) -> None:
+    """One worker check passed (its detail is the failure message)."""
+    assert key in verdicts, f"{key} missing; have {sorted(verdicts)}"
+    assert verdicts[key]["ok"], verdicts[key]["detail"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

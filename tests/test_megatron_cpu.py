@@ -12,7 +12,7 @@ import pytest
 
 from dualpipe_megatron.megatron.cpu_compat import GROUPS
 
-from launcher import launch
+from launcher import assert_verdict, launch
 
 WORKER = Path(__file__).with_name("megatron_workers.py")
 WORLD_SIZE = 2
@@ -39,4 +39,4 @@ def test_all_groups_installed_in_workers(results: dict[str, dict[str, object]]) 
     ],
 )
 def test_megatron_on_cpu(results: dict[str, dict[str, object]], check: str) -> None:
-    assert results[check]["ok"], results[check]["detail"]
+    assert_verdict(results, check)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import launch
+from launcher import assert_verdict, launch
 
 WORKER = Path(__file__).with_name("megatron_dualpipe_workers.py")
 TIMEOUT_S = 900
@@ -25,9 +25,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 def _check(results: tuple[int, dict], name: str) -> None:
     pp, verdicts = results
-    key = name.format(pp=pp)
-    assert key in verdicts, f"{key} missing; have {sorted(verdicts)}"
-    assert verdicts[key]["ok"], verdicts[key]["detail"]
+    assert_verdict(verdicts, name.format(pp=pp))
 
 
 @pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import launch
+from launcher import assert_verdict, launch
 
 WORKER = Path(__file__).with_name("moe_overlap_workers.py")
 TIMEOUT_S = 900
@@ -25,35 +25,30 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return launch(WORKER, 4, tmp_path_factory.mktemp("moe_overlap"), TIMEOUT_S)
 
 
-def _check(results: dict, key: str) -> None:
-    assert key in results, f"{key} missing; have {sorted(results)}"
-    assert results[key]["ok"], results[key]["detail"]
-
-
 @pytest.mark.parametrize("m", [4, 6])
 def test_overlap_on_equals_megatron_combined_1f1b(results: dict, m: int) -> None:
     """DualPipeV with overlapped F&B vs Megatron's interleaved 1F1B with its EP overlap."""
-    _check(results, f"overlap_on_vs_megatron_combined_1f1b_m{m}")
+    assert_verdict(results, f"overlap_on_vs_megatron_combined_1f1b_m{m}")
 
 
 @pytest.mark.parametrize("m", [4, 6])
 def test_overlap_off_equals_megatron_1f1b(results: dict, m: int) -> None:
-    _check(results, f"overlap_off_vs_megatron_1f1b_m{m}")
+    assert_verdict(results, f"overlap_off_vs_megatron_1f1b_m{m}")
 
 
 @pytest.mark.parametrize("m", [4, 6])
 def test_overlap_on_equals_off(results: dict, m: int) -> None:
-    _check(results, f"overlap_on_vs_off_m{m}")
+    assert_verdict(results, f"overlap_on_vs_off_m{m}")
 
 
 @pytest.mark.parametrize("m", [4, 6])
 def test_megatron_references_agree(results: dict, m: int) -> None:
-    _check(results, f"megatron_combined_vs_plain_1f1b_m{m}")
+    assert_verdict(results, f"megatron_combined_vs_plain_1f1b_m{m}")
 
 
 @pytest.mark.parametrize("m", [4, 6])
 def test_fb_ops_ran_overlapped_only_when_on(results: dict, m: int) -> None:
-    _check(results, f"overlap_ran_m{m}")
+    assert_verdict(results, f"overlap_ran_m{m}")
 
 
 @pytest.mark.parametrize("key", ["delayed_wgrad_vs_megatron_combined_1f1b_m4", "delayed_wgrad_vs_without_m4",
@@ -61,7 +56,7 @@ def test_fb_ops_ran_overlapped_only_when_on(results: dict, m: int) -> None:
 def test_delayed_wgrad_slots_move_to_w(results: dict, key: str) -> None:
     """``delay_wgrad_compute`` (Megatron's TE delayed wgrad; the slots' backward_dw is a no-op on
     these local layers): every plan slot's backward_dw runs at its W, with equal results."""
-    _check(results, key)
+    assert_verdict(results, key)
 
 
 class _Plannable(torch.nn.Module):
