@@ -24,7 +24,6 @@ import logging
 import os
 import pickle
 import platform
-import socket
 import tempfile
 import time
 import warnings
@@ -41,6 +40,7 @@ import megatron_gpt  # bench/ modules: this script's directory is on sys.path
 import plain_gpt
 from busy_time import ComputeClock, time_megatron_compute
 from megatron_gpt import MEGATRON_SCHEDULES, OUR_SCHEDULES, GPTShape
+from ports import free_port
 from schedule_report import markdown, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results" / "megatron_schedules.json"
@@ -130,9 +130,7 @@ def _worker(rank: int, config: BenchConfig, port: int, out_dir: str, traces: Pat
 
 
 def measure(config: BenchConfig, keep_traces: Path | None) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as out_dir:
         traces = keep_traces / config.name if keep_traces else Path(out_dir) / "traces"

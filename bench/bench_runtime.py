@@ -17,7 +17,6 @@ import json
 import os
 import pickle
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -27,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from ports import free_port  # bench/ modules: this script's directory is on sys.path
 
 HIDDEN = 4
 MICRO_ROWS = 2
@@ -88,9 +89,7 @@ def _worker(rank: int, world: int, port: int, microbatches: int, repeats: int, o
 
 
 def measure(world: int, microbatches: int, repeats: int) -> dict[str, list[float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _worker, args=(world, port, microbatches, repeats, out_dir), nprocs=world, start_method="spawn",

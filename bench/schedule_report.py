@@ -10,8 +10,14 @@ from __future__ import annotations
 from statistics import median
 from typing import Any, Sequence
 
+from dualpipe_megatron.schedules.cli import markdown_table
+
 REFERENCE = "1f1b"
 PLAIN_PAIR = ("torch_dualpipev", "plain_dualpipev")
+HEADER = ["config", "schedule", "step ms: median (min–max)", "tokens/s", "÷ Megatron 1F1B, pair by pair",
+          "bubble: median (min–max)", "CPU s/step, all ranks", "peak activation bytes/rank (max)",
+          "parameter bytes/rank (max)"]
+PAIR_HEADER = ["config", "torch ScheduleDualPipeV ÷ our native Pipeline (plain modules), pair by pair"]
 LABELS = {
     "1f1b": "Megatron 1F1B",
     "interleaved": "Megatron interleaved (VPP=2)",
@@ -67,21 +73,17 @@ def _fmt(s: dict[str, float], digits: int = 0, pct: bool = False) -> str:
 
 def markdown(configs: list[dict[str, Any]]) -> str:
     """The main table, then torch's DualPipeV against ours on the plain model."""
-    lines = ["| config | schedule | step ms: median (min–max) | tokens/s | ÷ Megatron 1F1B, pair by pair | "
-             "bubble: median (min–max) | CPU s/step, all ranks | peak activation bytes/rank (max) | "
-             "parameter bytes/rank (max) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    pairs = []
+    rows, pairs = [], []
     for config in configs:
         for name, row in config["schedules"].items():
             ratio = _fmt(row["ratio_to_1f1b"], 2) if "ratio_to_1f1b" in row else "–"
-            lines.append(f"| {config['name']} | {LABELS.get(name, name)} | {_fmt(row['step_ms'])} | "
-                         f"{row['tokens_per_s']:,.0f} | {ratio} | {_fmt(row['bubble'], 1, pct=True)} | "
-                         f"{row['cpu_s_all_ranks']['median']:.2f} | {max(row['peak_activation_bytes']):,} | "
-                         f"{max(row['param_bytes']):,} |")
+            rows.append([config["name"], LABELS.get(name, name), _fmt(row["step_ms"]),
+                         f"{row['tokens_per_s']:,.0f}", ratio, _fmt(row["bubble"], 1, pct=True),
+                         f"{row['cpu_s_all_ranks']['median']:.2f}", f"{max(row['peak_activation_bytes']):,}",
+                         f"{max(row['param_bytes']):,}"])
             if "ratio_to_plain_dualpipev" in row:
-                pairs.append(f"| {config['name']} | {_fmt(row['ratio_to_plain_dualpipev'], 2)} |")
+                pairs.append([config["name"], _fmt(row["ratio_to_plain_dualpipev"], 2)])
+    text = markdown_table(HEADER, rows)
     if pairs:
-        lines += ["", "| config | torch ScheduleDualPipeV ÷ our native Pipeline (plain modules), pair by pair |",
-                  "|---|---|", *pairs]
-    return "\n".join(lines)
+        text += "\n\n" + markdown_table(PAIR_HEADER, pairs)
+    return text
