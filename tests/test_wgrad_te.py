@@ -18,7 +18,7 @@ from dualpipe_megatron.megatron.wgrad_te import (
     delayed_wgrad_problems, fifo_order_violations, install_delayed_wgrad_deferral,
 )
 from dualpipe_megatron.runtime.wgrad import WeightGradStore, deferring
-from dualpipe_megatron.schedules import W, build_schedule
+from dualpipe_megatron.schedules import Schedule, W, build_schedule
 
 
 class _RecordingModule(torch.nn.Module):
@@ -85,16 +85,23 @@ def test_our_schedules_complete_weight_grads_in_backward_order(name: str, ranks:
     assert [p for r in range(ranks) for p in fifo_order_violations(sched, r)] == []
 
 
+def _two_ws_of_one_chunk(sched: Schedule) -> tuple[int, int, int]:
+    """(rank, i, j): the first rank with two W ops of the same chunk, at op indices i < j."""
+    for rank, ops in enumerate(sched.ops):
+        first_w: dict[tuple[int, int], int] = {}
+        for j, op in enumerate(ops):
+            if isinstance(op, W):
+                stage = (op.key.d, op.key.s)
+                if stage in first_w:
+                    return rank, first_w[stage], j
+                first_w[stage] = j
+    raise AssertionError("no rank has two W ops of one chunk")
+
+
 def test_a_w_out_of_backward_order_is_reported() -> None:
     sched = build_schedule("dualpipev", 4, 8)
+    rank, first, second = _two_ws_of_one_chunk(sched)
     ops = [list(r) for r in sched.ops]
-    rank, stage_ws = next((r, [i for i, op in enumerate(ops[r]) if isinstance(op, W)])
-                          for r in range(4) if sum(isinstance(op, W) for op in ops[r]) >= 2)
-    first = next(i for i in stage_ws if any(isinstance(ops[rank][j], W) and j != i
-                                            and (ops[rank][j].key.d, ops[rank][j].key.s)
-                                            == (ops[rank][i].key.d, ops[rank][i].key.s) for j in stage_ws))
-    second = next(j for j in stage_ws if j > first and (ops[rank][j].key.d, ops[rank][j].key.s)
-                  == (ops[rank][first].key.d, ops[rank][first].key.s))
     ops[rank][first], ops[rank][second] = ops[rank][second], ops[rank][first]
     swapped = dataclasses.replace(sched, ops=ops)
     problems = fifo_order_violations(swapped, rank)
