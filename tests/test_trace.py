@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpipe_megatron.runtime.p2p import executed_halves
+from dualpipe_megatron.runtime.plan import executed_halves
 from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulate
 from dualpipe_megatron.schedules.ir import halves
 from dualpipe_megatron.schedules.simulate import SimResult

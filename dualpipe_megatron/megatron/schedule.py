@@ -24,7 +24,8 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
 from ..runtime.executor import Executor, StepData, StepStats
-from ..runtime.p2p import P2P, MessagePlan
+from ..runtime.p2p import DistTransport, P2P
+from ..runtime.plan import MessagePlan
 from ..schedules import Schedule, ScheduleError, build_schedule, validate
 from ..trace.recorder import OpTracer
 from .grads import sum_mirrored_grads, sum_tied_embedding_grads
@@ -275,7 +276,7 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
             cp_group=pg_collection.cp,
         )
         device = next(chunks[0].parameters()).device
-        p2p = P2P(group, rank, list(range(ranks)), device, lambda edge: shapes,
+        p2p = P2P(DistTransport(group, list(range(ranks))), rank, device, lambda edge: shapes,
                   config.pipeline_dtype, options.timeout, options.debug_p2p)
         executor = Executor(sched, rank, stages, p2p, defer_weight_grads=options.defer_weight_grads,
                             use_overlap_hook=overlap)

@@ -2,12 +2,13 @@
 
 from .executor import Executor, OpObserver, StepData, StepResult, StepStats
 from .mirror import sync_mirrored_grads
-from .p2p import Message, MessagePlan, P2P, PipelineCommError
+from .p2p import DistTransport, DryTransport, P2P, PipelineCommError
+from .plan import Message, MessagePlan
 from .pipeline import Pipeline
 from .wgrad import DeferrableLinear, WeightGradStore, deferring, make_linears_deferrable, run_backward
 
 __all__ = [
-    "StepStats", "DeferrableLinear", "Executor", "Message", "MessagePlan", "OpObserver", "P2P",
+    "StepStats", "DeferrableLinear", "DistTransport", "DryTransport", "Executor", "Message", "MessagePlan", "OpObserver", "P2P",
     "Pipeline", "PipelineCommError", "StepData", "StepResult", "WeightGradStore", "deferring",
     "make_linears_deferrable", "run_backward", "sync_mirrored_grads",
 ]

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..schedules.ir import B, F, Key, Schedule, W
-from .p2p import ACT, GRAD, Message, MessagePlan, P2P
+from .p2p import P2P
+from .plan import ACT, GRAD, Message, MessagePlan
 from .wgrad import WeightGradStore, deferring, run_backward
 
 Half = F | B | W
@@ -129,18 +130,22 @@ class Executor:
         observer = self.observer
         if observer is not None:
             observer.step_begun(self.sched, data.forward_only)
-        self.p2p.begin(plan)
-        for n, (index, parts) in enumerate(plan.ops):
-            ahead = plan.recvs[n:n + 1 + self.recv_lookahead]
-            self.p2p.prefetch([item for per_op in ahead for needs in per_op for item in needs])
-            if observer is None:
-                self._run_op(plan, n, index, parts)
-            else:
-                waited, begin = self.p2p.waited_ns, perf_counter_ns()
-                self._run_op(plan, n, index, parts)
-                observer.op_done(index, parts, begin, perf_counter_ns(), self.p2p.waited_ns - waited)
-            self.p2p.reap()
-        self.p2p.finish()
+        try:
+            self.p2p.begin(plan)
+            for n, (index, parts) in enumerate(plan.ops):
+                ahead = plan.recvs[n:n + 1 + self.recv_lookahead]
+                self.p2p.prefetch([item for per_op in ahead for needs in per_op for item in needs])
+                if observer is None:
+                    self._run_op(plan, n, index, parts)
+                else:
+                    waited, begin = self.p2p.waited_ns, perf_counter_ns()
+                    self._run_op(plan, n, index, parts)
+                    observer.op_done(index, parts, begin, perf_counter_ns(), self.p2p.waited_ns - waited)
+                self.p2p.reap()
+            self.p2p.finish()
+        except BaseException:
+            self.p2p.abort()
+            raise
         if observer is not None:
             observer.step_done()
         self.stats.freed = self.p2p.freed

@@ -1,132 +1,134 @@
-"""Point-to-point transfers, planned from the schedule IR.
+"""Point-to-point transfers of one step, posted in the plan's agreed order.
 
-Batched and unbatched p2p both match a sender's and a receiver's operations by
-posting order per (sender, receiver) pair, and tags do not help on NCCL. So
-both sides derive one order from the IR: a rank posts its sends to a peer in
-the order its op list produces them, and the peer posts the matching receives
-in that same sender order, lazily, up to the message its next op needs.
-
-Sends never block an op; they are reaped when complete (freeing sent
-activations) and waited for at the end of the step. Receives are waited for
+Every rank posts its sends and receives in :attr:`MessagePlan.sequence`, an
+order both ends of every pair share and that NCCL's one-stream-per-pair FIFO
+cannot deadlock on (see :mod:`.plan`). Within that order a send is posted as
+soon as its op produced it (never blocking the op), and receives are posted as
+early as the order allows, up to the ones the next few ops need (prefetch), so
+their transfers overlap compute. Sends are reaped when complete (freeing sent
+activations) and waited for at the end of the step; receives are waited for
 just before the op that needs them, and the time spent in those waits is
-summed (``waited_ns``) so a tracer can tell waiting from computing. With a
-valid (deadlock-free) IR every awaited message is eventually sent, so the
-protocol cannot deadlock; every wait still has a timeout, so a failed peer
-turns into an error, not a hang.
+summed (``waited_ns``) so a tracer can tell waiting from computing.
+
+Before its first step over a process group, a rank exchanges one small message
+with each peer, pairs taken in one global order: on NCCL the first message of a
+pair creates its communicator, a host rendezvous of the two ranks that must not
+happen in the middle of a schedule. Every wait has a timeout, so a failed peer
+turns into :class:`PipelineCommError`, not a hang. With strict mode on
+(``DUALPIPE_NCCL_STRICT=1``), the step's calls are recorded and checked against
+the model of NCCL's semantics at its end (:mod:`.strict`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from time import perf_counter_ns
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..schedules.ir import B, F, Key, Op, Schedule, W, halves
+from .comm_log import RECV, SEND, CommLog
+from .plan import ACT, GRAD, Message, MessagePlan
+from .strict import StepRecorder, strict_from_env
 
-ACT = "activation"
-GRAD = "gradient"
 _KIND_CODE = {ACT: 0, GRAD: 1}
 
-Half = F | B | W
 Shape = tuple[int, ...]
+
+# Pairs (group name, global lo, global hi) whose NCCL communicator this process has created.
+_WARM_PAIRS: set[tuple[str, int, int]] = set()
 
 
 class PipelineCommError(RuntimeError):
     """A p2p wait that timed out or failed; names this rank, the peer, the op and the micro-batch."""
 
 
-@dataclass(frozen=True)
-class Message:
-    """One transfer: the outputs of ``F(key)`` (ACT) or the input grads of ``B(key)`` (GRAD)."""
+class Transport(Protocol):
+    """Where the p2p layer's posts go; peers are pipeline ranks."""
 
-    kind: str
-    key: Key
+    name: str  # the process group's name: one queue identity for the NCCL model
+    warm: set[tuple[str, int, int]]  # pairs already connected (see _WARM_PAIRS)
 
-    @property
-    def edge(self) -> tuple[int, int]:
-        """``(d, s)`` of the stage whose outputs (or their grads) travel: it fixes the shapes."""
-        k = self.key
-        return (k.d, k.s) if self.kind == ACT else (k.d, k.s - 1)
+    def isend(self, tensor: torch.Tensor, peer: int) -> Any: ...
 
-    def __str__(self) -> str:
-        return f"{self.kind} of {'F' if self.kind == ACT else 'B'}{self.key}"
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Any: ...
 
+    def wait(self, handle: Any, timeout: float) -> None: ...
 
-def executed_halves(op: Op, forward_only: bool) -> tuple[Half, ...]:
-    """The single ops a rank actually runs for ``op`` (forward-only keeps the F's)."""
-    parts = halves(op)
-    return tuple(h for h in parts if isinstance(h, F)) if forward_only else parts
+    def is_completed(self, handle: Any) -> bool: ...
+
+    def global_rank(self, peer: int) -> int: ...
 
 
-def _sent_by(sched: Schedule, rank: int, half: Half) -> list[tuple[Message, int]]:
-    """Cross-rank messages ``half`` produces on ``rank``, as (message, destination)."""
-    k = half.key
-    if isinstance(half, F) and k.s + 1 < sched.stages:
-        dst = sched.rank_of(k.d, k.s + 1)
-        return [(Message(ACT, k), dst)] if dst != rank else []
-    if isinstance(half, B) and k.s > 0:
-        dst = sched.rank_of(k.d, k.s - 1)
-        return [(Message(GRAD, k), dst)] if dst != rank else []
-    return []
+class DistTransport:
+    """``torch.distributed`` p2p over ``group``; ``group_rank_of[r]`` is pipeline rank r's group rank."""
+
+    warm = _WARM_PAIRS
+
+    def __init__(self, group: dist.ProcessGroup, group_rank_of: Sequence[int]) -> None:
+        self.group = group
+        self.group_rank_of = list(group_rank_of)
+        self.name = group.group_name
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> dist.Work:
+        return dist.isend(tensor, group=self.group, group_dst=self.group_rank_of[peer])
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> dist.Work:
+        return dist.irecv(tensor, group=self.group, group_src=self.group_rank_of[peer])
+
+    @staticmethod
+    def wait(handle: dist.Work, timeout: float) -> None:
+        handle.wait(timeout=timedelta(seconds=timeout))
+
+    def is_completed(self, handle: dist.Work) -> bool:
+        return handle.is_completed()
+
+    def global_rank(self, peer: int) -> int:
+        return dist.get_global_rank(self.group, self.group_rank_of[peer])
 
 
-def _needed_by(sched: Schedule, rank: int, half: Half) -> list[tuple[Message, int]]:
-    """Cross-rank messages ``half`` waits for on ``rank``, as (message, source)."""
-    k = half.key
-    if isinstance(half, F) and k.s > 0:
-        src = sched.rank_of(k.d, k.s - 1)
-        return [(Message(ACT, Key(k.d, k.s - 1, k.m)), src)] if src != rank else []
-    if isinstance(half, B) and k.s + 1 < sched.stages:
-        src = sched.rank_of(k.d, k.s + 1)
-        return [(Message(GRAD, Key(k.d, k.s + 1, k.m)), src)] if src != rank else []
-    return []
+class DryTransport:
+    """No communication at all: receives read zeros. Runs a rank's real posting logic alone."""
+
+    name = "pipeline"
+
+    def __init__(self) -> None:
+        self.warm: set[tuple[str, int, int]] = set()
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> None:
+        return None
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> None:
+        tensor.zero_()
+
+    def wait(self, handle: None, timeout: float) -> None:
+        return None
+
+    def is_completed(self, handle: None) -> bool:
+        return True
+
+    def global_rank(self, peer: int) -> int:
+        return peer
 
 
 @dataclass
-class MessagePlan:
-    """What one rank receives before, and sends after, each half of each of its ops."""
-
-    rank: int
-    ops: list[tuple[int, tuple[Half, ...]]]  # (index in the rank's op list, halves run)
-    recvs: list[list[list[tuple[Message, int]]]]
-    sends: list[list[list[tuple[Message, int]]]]
-    incoming: dict[int, list[Message]] = field(default_factory=dict)  # per source, in its send order
-
-    def __post_init__(self) -> None:
-        self.position = {src: {msg: i for i, msg in enumerate(msgs)} for src, msgs in self.incoming.items()}
-
-    @classmethod
-    def build(cls, sched: Schedule, rank: int, forward_only: bool) -> "MessagePlan":
-        ops = [(i, executed_halves(op, forward_only)) for i, op in enumerate(sched.ops[rank])]
-        ops = [(i, parts) for i, parts in ops if parts]
-        recvs = [[_needed_by(sched, rank, h) for h in parts] for _, parts in ops]
-        sends = [[_sent_by(sched, rank, h) for h in parts] for _, parts in ops]
-        incoming: dict[int, list[Message]] = {}
-        for src, src_ops in enumerate(sched.ops):
-            if src == rank:
-                continue
-            for op in src_ops:
-                for half in executed_halves(op, forward_only):
-                    for msg, dst in _sent_by(sched, src, half):
-                        if dst == rank:
-                            incoming.setdefault(src, []).append(msg)
-        return cls(rank, ops, recvs, sends, incoming)
+class _Posted:
+    handle: Any
+    ident: int | None  # its id in the step's CommLog (strict mode)
 
 
 @dataclass
 class _Recv:
-    works: list[dist.Work]
+    works: list[_Posted]
     buffers: list[torch.Tensor]
     header: torch.Tensor | None
 
 
 @dataclass
 class _Send:
-    works: list[dist.Work]
+    works: list[_Posted]
     msg: Message
     dst: int
     after: str
@@ -137,64 +139,154 @@ class _Send:
 class P2P:
     """Posts and waits for one step's transfers of one rank, following a :class:`MessagePlan`.
 
-    ``group_rank_of[r]`` is pipeline rank ``r``'s rank in ``group``. With
-    ``debug`` every message is preceded by a header carrying its
-    (kind, d, s, m), checked on arrival.
+    With ``debug`` every message is preceded by a header carrying its
+    (kind, d, s, m), checked on arrival. ``strict`` (default: the
+    ``DUALPIPE_NCCL_STRICT`` environment variable) records the step's calls and
+    fails the step if the NCCL model finds that they could deadlock; ``record``
+    only keeps the step's calls in :attr:`log`.
     """
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        transport: Transport,
         rank: int,
-        group_rank_of: Sequence[int],
         device: torch.device,
         shapes: Callable[[tuple[int, int]], list[Shape]],
         dtype: torch.dtype,
         timeout: float,
         debug: bool = False,
+        strict: bool | None = None,
+        record: bool = False,
     ) -> None:
-        self.group = group
+        self.transport = transport
         self.rank = rank
-        self.group_rank_of = list(group_rank_of)
         self.device = device
         self.shapes = shapes
         self.dtype = dtype
         self.timeout = timeout
         self.debug = debug
+        self.strict = strict_from_env() if strict is None else strict
+        self.record = record or self.strict
         self._plan: MessagePlan | None = None
+        self.log: CommLog | None = None
+        self._recorder: StepRecorder | None = None
 
     # -- step lifecycle ----------------------------------------------------
     def begin(self, plan: MessagePlan) -> None:
+        """Start a step: connect new pairs, and in strict mode start recording."""
         self._plan = plan
-        self._posted = {src: 0 for src in plan.incoming}
+        self._next = 0  # index of the first unposted item of plan.sequence
         self._recvs: dict[Message, _Recv] = {}
         self._sends: list[_Send] = []
         self.freed = 0
         self.waited_ns = 0  # this step's time blocked in receives (two clock reads per message)
+        self.log = None
+        if self.record:
+            ranks = [self.transport.global_rank(r) for r in range(plan.ranks)]
+            self.log = CommLog(self.transport.global_rank(self.rank), ranks, sorted(self.transport.warm))
+        if self.strict:
+            assert self.log is not None
+            self._recorder = StepRecorder(self.log)
+            self._recorder.start()
+        self._warm_up(plan.peers)
 
     def finish(self) -> None:
-        """Wait for every send; check that every planned receive was posted and used."""
+        """Wait for every send; check that every planned message was posted and used."""
         for send in self._sends:
             self._wait_all(send.works, f"sending {send.msg} to rank {send.dst}, sent after {send.after}", send.dst)
             self._free(send.to_free)
         self._sends = []
         assert self._plan is not None
-        unposted = {src: len(msgs) - self._posted[src] for src, msgs in self._plan.incoming.items()}
-        if any(unposted.values()) or self._recvs:
+        if self._next != len(self._plan.sequence) or self._recvs:
+            unposted = [f"{kind} {msg}" for kind, msg, _ in self._plan.sequence[self._next:]]
             raise RuntimeError(
-                f"pipeline rank {self.rank}: step ended with planned receives unused "
-                f"(unposted per source {unposted}, posted but unread {sorted(map(str, self._recvs))})"
+                f"pipeline rank {self.rank}: step ended with planned messages unused "
+                f"(unposted {unposted[:4]}{'...' if len(unposted) > 4 else ''}, "
+                f"posted but unread {sorted(map(str, self._recvs))})"
             )
+        if self._recorder is not None:
+            recorder, self._recorder = self._recorder, None
+            recorder.stop()
+            recorder.check(self.timeout)
+
+    def abort(self) -> None:
+        """The step failed: stop recording (nothing is checked)."""
+        if self._recorder is not None:
+            self._recorder.stop()
+            self._recorder = None
+
+    def _warm_up(self, peers: Sequence[int]) -> None:
+        """Connect every new pair with one small exchange, pairs in one global order (see module doc)."""
+        me = self.transport.global_rank(self.rank)
+        pairs = []
+        for peer in peers:
+            other = self.transport.global_rank(peer)
+            pair = (self.transport.name, min(me, other), max(me, other))
+            if pair not in self.transport.warm:
+                pairs.append((pair, peer))
+        for pair, peer in sorted(pairs):
+            what = f"warm-up of the pair with rank {peer}"
+            out = torch.zeros(1, dtype=self.dtype, device=self.device)
+            back = torch.empty(1, dtype=self.dtype, device=self.device)
+            if me == pair[1]:
+                works = [self._isend(out, peer, what), self._irecv(back, peer, what)]
+            else:
+                works = [self._irecv(back, peer, what), self._isend(out, peer, what)]
+            self._wait_all(works, what, peer)
+            self.transport.warm.add(pair)
+
+    # -- posting (every post goes through these two, so strict mode sees it) ----
+    def _isend(self, tensor: torch.Tensor, peer: int, what: str) -> _Posted:
+        handle = self.transport.isend(tensor, peer)
+        ident = None
+        if self.log is not None:
+            ident = self.log.post(SEND, self.transport.name, self.transport.global_rank(peer), what)
+        return _Posted(handle, ident)
+
+    def _irecv(self, tensor: torch.Tensor, peer: int, what: str) -> _Posted:
+        handle = self.transport.irecv(tensor, peer)
+        ident = None
+        if self.log is not None:
+            ident = self.log.post(RECV, self.transport.name, self.transport.global_rank(peer), what)
+        return _Posted(handle, ident)
+
+    def _post_through(self, target: int) -> bool:
+        """Post the sequence's receives up to ``target``; False if an unproduced send comes first."""
+        assert self._plan is not None
+        sequence = self._plan.sequence
+        while self._next <= target:
+            kind, msg, peer = sequence[self._next]
+            if kind == SEND:
+                return False
+            self._post_recv(msg, peer)
+            self._next += 1
+        return True
+
+    def _index(self, kind: str, msg: Message, peer: int) -> int:
+        assert self._plan is not None
+        try:
+            return self._plan.index[(kind, msg)]
+        except KeyError:
+            way = "from" if kind == RECV else "to"
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: {msg} {way} rank {peer} is not in the message plan"
+            ) from None
 
     # -- receiving -----------------------------------------------------------
     def prefetch(self, needs: Sequence[tuple[Message, int]]) -> None:
-        """Post (in sender order) every receive up to the ones listed."""
+        """Post every receive the order allows, up to the ones listed."""
         for msg, src in needs:
-            self._post_up_to(msg, src)
+            if not self._post_through(self._index(RECV, msg, src)):
+                return
 
     def recv(self, msg: Message, src: int, needed_by: str) -> list[torch.Tensor]:
         """The tensors of ``msg`` from ``src``, once arrived (``needed_by`` names the op for errors)."""
-        self._post_up_to(msg, src)
+        if not self._post_through(self._index(RECV, msg, src)):
+            kind, first, peer = self._plan.sequence[self._next]
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: {needed_by} needs {msg} from rank {src}, which the plan orders "
+                f"after {kind} {first} (rank {peer}) that this rank has not produced yet"
+            )
         pending = self._recvs.pop(msg)
         what = f"receiving {msg} from rank {src}, needed by {needed_by}"
         began = perf_counter_ns()
@@ -207,27 +299,15 @@ class P2P:
         self.waited_ns += perf_counter_ns() - began
         return pending.buffers
 
-    def _post_up_to(self, msg: Message, src: int) -> None:
-        try:
-            target = self._plan.position[src][msg]
-        except KeyError:
-            raise RuntimeError(
-                f"pipeline rank {self.rank}: {msg} from rank {src} is not in the message plan"
-            ) from None
-        incoming = self._plan.incoming[src]
-        while self._posted[src] <= target:
-            self._post_recv(incoming[self._posted[src]], src)
-            self._posted[src] += 1
-
     def _post_recv(self, msg: Message, src: int) -> None:
-        peer = self.group_rank_of[src]
-        works: list[dist.Work] = []
         header = None
+        works: list[_Posted] = []
+        what = f"{msg} from rank {src}"
         if self.debug:
             header = torch.empty(5, dtype=torch.int64, device=self.device)
-            works.append(dist.irecv(header, group=self.group, group_src=peer))
+            works.append(self._irecv(header, src, f"header of {what}"))
         buffers = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes(msg.edge)]
-        works += [dist.irecv(t, group=self.group, group_src=peer) for t in buffers]
+        works += [self._irecv(t, src, what) for t in buffers]
         self._recvs[msg] = _Recv(works, buffers, header)
 
     def _check_header(self, header: torch.Tensor, msg: Message, src: int, count: int, needed_by: str) -> None:
@@ -261,16 +341,22 @@ class P2P:
                     f"pipeline rank {self.rank}: tensor {i} of {msg} is {tuple(t.shape)} {t.dtype}, "
                     f"but the declared p2p shape is {tuple(shape)} {self.dtype}"
                 )
-        peer = self.group_rank_of[dst]
+        index = self._index(SEND, msg, dst)
+        if index < self._next or not self._post_through(index - 1):
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: {msg} to rank {dst} sent out of the plan's order"
+            )
         payload = [t.contiguous() for t in tensors]
-        works: list[dist.Work] = []
+        what = f"{msg} to rank {dst}"
+        works: list[_Posted] = []
         if self.debug:
             k = msg.key
             header = torch.tensor(
                 [_KIND_CODE[msg.kind], k.d, k.s, k.m, len(payload)], dtype=torch.int64, device=self.device
             )
-            payload = [header] + payload
-        works += [dist.isend(t, group=self.group, group_dst=peer) for t in payload]
+            works.append(self._isend(header, dst, f"header of {what}"))
+        works += [self._isend(t, dst, what) for t in payload]
+        self._next = index + 1
         # Free only tensors that went out as they are (a contiguous copy was sent otherwise).
         to_free = [t for t in free if any(t is p for p in payload)]
         self._sends.append(_Send(works, msg, dst, after, payload, to_free))
@@ -279,7 +365,7 @@ class P2P:
         """Without blocking, retire completed sends and free what they carried."""
         still = []
         for send in self._sends:
-            if all(w.is_completed() for w in send.works):
+            if all(self.transport.is_completed(w.handle) for w in send.works):
                 self._free(send.to_free)
             else:
                 still.append(send)
@@ -292,18 +378,24 @@ class P2P:
         self.freed += len(tensors)
 
     # -- waiting -------------------------------------------------------------
-    def _wait_all(self, works: Sequence[dist.Work], what: str, peer: int) -> None:
+    def _wait_all(self, works: Sequence[_Posted], what: str, peer: int) -> None:
+        if self.log is not None:
+            self.log.wait([w.ident for w in works], what)
         for work in works:
-            wait(work, self.timeout, lambda: f"pipeline rank {self.rank}: {what} (peer rank {peer})")
+            wait(work.handle, self.timeout, lambda: f"pipeline rank {self.rank}: {what} (peer rank {peer})",
+                 self.transport.wait)
 
 
-def wait(work: dist.Work, timeout: float, describe: Callable[[], str]) -> None:
-    """``work.wait`` bounded by ``timeout`` seconds; failures become :class:`PipelineCommError`."""
+def wait(
+    work: Any, timeout: float, describe: Callable[[], str],
+    waiter: Callable[[Any, float], None] = DistTransport.wait,
+) -> None:
+    """Wait for ``work`` at most ``timeout`` seconds; failures become :class:`PipelineCommError`."""
     try:
-        work.wait(timeout=timedelta(seconds=timeout))
+        waiter(work, timeout)
     except RuntimeError as exc:
         reason = "timed out" if "imed out" in str(exc) else "failed"
         raise PipelineCommError(f"{describe()}: {reason} (timeout {timeout:g}s): {exc}") from exc
 
 
-__all__ = ["ACT", "GRAD", "Message", "MessagePlan", "P2P", "PipelineCommError", "executed_halves", "wait"]
+__all__ = ["DistTransport", "DryTransport", "P2P", "PipelineCommError", "Transport", "wait"]

@@ -19,7 +19,8 @@ from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule
 from ..schedules.validate import validate
 from .executor import Executor, OpObserver, StepData, StepStats
-from .p2p import MessagePlan, P2P, Shape
+from .p2p import DistTransport, P2P, Shape
+from .plan import MessagePlan
 from .wgrad import make_linears_deferrable
 
 ShapeSpec = Sequence[Sequence[int]] | Mapping[tuple[int, int], Sequence[Sequence[int]]]
@@ -235,7 +236,7 @@ class Pipeline(nn.Module):
         data = self._step_data(sched, inputs, labels, criterion, return_outputs, forward_only)
         chunks = dict(zip(sched.stages_on(self.rank), self.module))
         p2p = P2P(
-            self.group, self.rank, self._group_rank_of, self.device, self._shapes,
+            DistTransport(self.group, self._group_rank_of), self.rank, self.device, self._shapes,
             self.p2p_dtype, self.timeout, self.debug,
         )
         executor = Executor(
