@@ -68,7 +68,7 @@ class Case:
                 f"wgrad-split={'on' if self.wgrad_split else 'off'} hook={'on' if self.overlap_hook else 'off'}")
 
 
-def record(case: Case, debug: bool = False) -> dict[int, list[dict[str, Any]]]:
+def record(case: Case) -> dict[int, list[dict[str, Any]]]:
     """Each rank's p2p calls for one step of ``case`` (rank -> events)."""
     sched = build_schedule(case.schedule, case.ranks, case.microbatches)
     stage_cls = _HookedStage if case.overlap_hook else _Stage
@@ -81,7 +81,7 @@ def record(case: Case, debug: bool = False) -> dict[int, list[dict[str, Any]]]:
             chunks[ds] = stage_cls()
             make_linears_deferrable(chunks[ds])
         p2p = P2P(DryTransport(), rank, torch.device("cpu"), lambda edge: [(1, WIDTH)], torch.float32,
-                  timeout=1.0, debug=debug, strict=False, record=True)
+                  timeout=1.0, strict=False, record=True)
         executor = Executor(sched, rank, chunks, p2p, defer_weight_grads=case.wgrad_split,
                             use_overlap_hook=case.overlap_hook)
         inputs = {d: [(torch.ones(1, WIDTH),)] * count for d in range(sched.directions)}
