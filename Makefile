@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench nccl-sweep gpu-check clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,15 @@ bench: setup
 	$(PY) -m dualpipe_megatron.projection measure -o bench/results/cpu_op_costs.json
 	$(PY) -m dualpipe_megatron.projection project --op-costs bench/results/cpu_op_costs.json \
 		--tflops 400 --json bench/results/projection.json
+
+# The runtime's real p2p posting logic for every schedule, P = 2..16, under the NCCL model
+# (make test runs a reduced grid; see docs/nccl.md).
+nccl-sweep: setup
+	$(PY) -m dualpipe_megatron.runtime nccl-sweep
+
+# Every GPU check in one run (one GPU, < 8 minutes); `bash scripts/gpu_check.sh --cpu-dry-run` without one.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .hypothesis

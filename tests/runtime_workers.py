@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,13 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
     os._exit(0)
 
 
-def launch(world: int, fn: Callable, *args: Any, timeout: float = 150.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result."""
+def launch(
+    world: int, fn: Callable, *args: Any, timeout: float = 150.0, may_vanish: Collection[int] = ()
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
+
+    A rank in ``may_vanish`` (one that kills itself) may report nothing: its result is ``None``.
+    """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
@@ -71,6 +77,9 @@ def launch(world: int, fn: Callable, *args: Any, timeout: float = 150.0) -> list
         for r in range(world):
             path = os.path.join(out_dir, f"rank{r}.pkl")
             if not os.path.exists(path):
+                if r in may_vanish:
+                    results.append(None)
+                    continue
                 raise RuntimeError(f"rank {r} reported nothing (hung ranks: {hung})")
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
@@ -182,6 +191,22 @@ def reference(layers: list[nn.Module], inputs: list[torch.Tensor], y: torch.Tens
     }
 
 
+def rank_share(
+    sched, pp_rank: int, xs: list[torch.Tensor], y: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``pp_rank``'s ``step()`` inputs (where a direction starts) and labels (where one ends).
+
+    Direction d carries rows [d*per_dir, (d+1)*per_dir) of the batch.
+    """
+    per_dir = y.shape[0] // sched.directions
+    rows = [slice(d * per_dir, (d + 1) * per_dir) for d in range(sched.directions)]
+    first = [d for d in range(sched.directions) if sched.rank_of(d, 0) == pp_rank]
+    last = [d for d in range(sched.directions) if sched.rank_of(d, sched.stages - 1) == pp_rank]
+    inputs = [x[rows[first[0]]] for x in xs] if first else []
+    labels = [y[rows[last[0]]]] if last else []
+    return inputs, labels
+
+
 # -- the pipeline cases ----------------------------------------------------------------------------
 
 
@@ -201,13 +226,7 @@ def run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     layers = build_layers(sched.stages, dtype, hooked=case["hook"], pair=pair)
     modules = [layers[s] for s in layers_of(sched, pp_rank)]
     xs, y = batch(m * MICRO_ROWS, dtype, pair)
-    per_dir = y.shape[0] // sched.directions
-    # Direction d carries rows [d*per_dir, (d+1)*per_dir) of the batch.
-    rows = [slice(d * per_dir, (d + 1) * per_dir) for d in range(sched.directions)]
-    first = [d for d in range(sched.directions) if sched.rank_of(d, 0) == pp_rank]
-    last = [d for d in range(sched.directions) if sched.rank_of(d, sched.stages - 1) == pp_rank]
-    inputs = [x[rows[first[0]]] for x in xs] if first else []
-    labels = [y[rows[last[0]]]] if last else []
+    inputs, labels = rank_share(sched, pp_rank, xs, y)
     pipe = Pipeline(
         modules, name, chunks=case.get("chunks"), p2p_shapes=[(MICRO_ROWS, HIDDEN)] * len(xs),
         p2p_dtype=dtype, timeout=30.0, debug=case.get("debug", False), defer_weight_grads=case["defer"],
@@ -428,13 +447,15 @@ class FailingBlock(Block):
         return super().forward(x)
 
 
-def failing_step(rank: int, world: int, failing_rank: int, timeout: float) -> dict[str, Any]:
-    """A DualPipeV step in which ``failing_rank`` raises in its 3rd forward."""
+def failing_step(
+    rank: int, world: int, failing_rank: int, timeout: float, block: type[FailingBlock] = FailingBlock
+) -> dict[str, Any]:
+    """A DualPipeV step in which ``failing_rank`` fails in its 3rd forward (``block`` says how)."""
     from dualpipe_megatron.runtime import Pipeline
 
     m = 2 * world
     torch.manual_seed(SEED)
-    modules = [FailingBlock(HIDDEN, 3 if rank == failing_rank else 0) for _ in range(2)]
+    modules = [block(HIDDEN, 3 if rank == failing_rank else 0) for _ in range(2)]
     (x,), y = batch(m * MICRO_ROWS, torch.float32)
     pipe = Pipeline(
         modules, "dualpipev", p2p_shapes=[(MICRO_ROWS, HIDDEN)], p2p_dtype=torch.float32, timeout=timeout,
@@ -472,3 +493,12 @@ def mismatched_plans(rank: int, world: int) -> dict[str, Any]:
     except PipelineCommError as exc:
         return {"error": str(exc)}
     return {"error": None}
+
+
+class KillingBlock(FailingBlock):
+    """SIGKILLs its own process in its ``fail_at``-th forward: no exception, no cleanup, no result."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.forwards + 1 == self.fail_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import runtime_workers as rw
-from dualpipe_megatron.runtime.p2p import ACT, MessagePlan
+from dualpipe_megatron.runtime.plan import ACT, MessagePlan
 from dualpipe_megatron.schedules import Costs, W, build_schedule, simulate
 
 WORLDS = (2, 4)
@@ -191,3 +191,17 @@ def test_debug_check_catches_mismatched_messages() -> None:
     assert "message mismatch from rank 0" in results[1]["error"], results[1]
     assert "expected activation of F(d=0,s=0,m=0)" in results[1]["error"]
     assert results[0]["error"] is not None
+
+
+def test_killed_rank_makes_every_other_rank_raise() -> None:
+    """A rank SIGKILLed mid-step (no exception, no goodbye): every peer raises, naming a peer."""
+    timeout = 4.0
+    results = rw.launch(4, rw.failing_step, 1, timeout, rw.KillingBlock, timeout=timeout + 50, may_vanish={1})
+    assert results[1] is None, f"the killed rank reported {results[1]}"
+    for rank, got in enumerate(results):
+        if rank == 1:
+            continue
+        assert got["error"] == "PipelineCommError", f"rank {rank}: {got}"
+        assert got["elapsed"] <= timeout + 20, f"rank {rank} took {got['elapsed']:.1f}s"
+        message = got["message"]
+        assert f"pipeline rank {rank}:" in message and "peer rank" in message, message

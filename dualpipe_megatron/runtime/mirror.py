@@ -37,10 +37,13 @@ def sync_mirrored_grads(
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-    # Both sides send modules[0]'s grads then modules[1]'s, and receive in that order.
-    works = [dist.isend(p.grad, group=group, group_dst=peer) for params in own for p in params]
+    # Both sides send modules[0]'s grads then modules[1]'s, and receive in that order. NCCL runs
+    # the pair's sends and receives in posting order on one stream and a send may wait for its
+    # receive, so the lower rank sends first and the higher rank receives first.
     theirs = [[torch.empty_like(p) for p in own[1]], [torch.empty_like(p) for p in own[0]]]
-    works += [dist.irecv(t, group=group, group_src=peer) for bufs in theirs for t in bufs]
+    sends = [lambda p=p: dist.isend(p.grad, group=group, group_dst=peer) for params in own for p in params]
+    recvs = [lambda t=t: dist.irecv(t, group=group, group_src=peer) for bufs in theirs for t in bufs]
+    works = [post() for post in (sends + recvs if rank < size - 1 - rank else recvs + sends)]
     for work in works:
         wait(work, timeout, lambda: f"pipeline rank {rank}: mirrored grad exchange with rank {size - 1 - rank}")
     for params, mirrored in zip(own, reversed(theirs)):

@@ -237,17 +237,22 @@ class P2P:
 
     # -- posting (every post goes through these two, so strict mode sees it) ----
     def _isend(self, tensor: torch.Tensor, peer: int, what: str) -> _Posted:
-        handle = self.transport.isend(tensor, peer)
-        ident = None
-        if self.log is not None:
-            ident = self.log.post(SEND, self.transport.name, self.transport.global_rank(peer), what)
-        return _Posted(handle, ident)
+        return self._post(SEND, self.transport.isend, tensor, peer, what)
 
     def _irecv(self, tensor: torch.Tensor, peer: int, what: str) -> _Posted:
-        handle = self.transport.irecv(tensor, peer)
+        return self._post(RECV, self.transport.irecv, tensor, peer, what)
+
+    def _post(self, kind: str, post: Callable[[torch.Tensor, int], Any], tensor: torch.Tensor, peer: int,
+              what: str) -> _Posted:
+        try:
+            handle = post(tensor, peer)
+        except RuntimeError as exc:  # e.g. gloo: the peer's connection is already closed
+            raise PipelineCommError(
+                f"pipeline rank {self.rank}: posting the {kind} of {what} (peer rank {peer}) failed: {exc}"
+            ) from exc
         ident = None
         if self.log is not None:
-            ident = self.log.post(RECV, self.transport.name, self.transport.global_rank(peer), what)
+            ident = self.log.post(kind, self.transport.name, self.transport.global_rank(peer), what)
         return _Posted(handle, ident)
 
     def _post_through(self, target: int) -> bool:

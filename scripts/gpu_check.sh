@@ -1,0 +1,319 @@
+#!/usr/bin/env bash
+# Every GPU check of this project in one run (one NVIDIA GPU; < 8 minutes; no internet needed).
+#
+#   bash scripts/gpu_check.sh                  # on the GPU machine (make gpu-check)
+#   bash scripts/gpu_check.sh --cpu-dry-run    # here, no GPU: the same steps on CPU/gloo
+#   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh
+#
+# Sections, each ending in one PASS, FAIL or SKIP line with its reason:
+#   env            nvidia-smi, Python, torch, CUDA, NCCL and megatron-core versions
+#   setup          `make setup` only when torch or megatron-core is missing and an index answers;
+#                  megatron-core from carried wheels in .whl/ (see the device README) otherwise
+#   op_costs       scripts/device_op_costs.py (H200 op costs and the projection; --dry-run on CPU)
+#   nccl_two_rank  scripts/nccl_two_rank.py under torchrun: 2 ranks on cuda:0 over NCCL, dualpipev
+#                  and dualpipe, 3 training steps + 1 forward-only, against one process
+#   megatron_pp2   scripts/pretrain_gpt.py --pipeline-schedule dualpipev, PP=2, tiny GPT, 2 ranks
+#                  on cuda:0, 3 iterations, mock data, local transformer implementation
+# Both two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU); with
+# --cpu-dry-run they run on CPU with gloo instead. Every launched command has a hard timeout, so
+# a hang is a FAIL. Logs and results go to ${OUT:-outputs/gpu_check}; the exit status is 0 only
+# if no section FAILed.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 2
+DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
+for arg in "$@"; do
+    case "$arg" in
+        --cpu-dry-run) DRY_RUN=1 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "unknown argument: $arg (see --help)" >&2; exit 2 ;;
+    esac
+done
+OUT_DIR=${OUT:-outputs/gpu_check}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+# Seconds; with the index probe (25) and env (~30), under 8 minutes even if every launch hangs.
+# At most 7 files land in the output folder (the device tool brings back 8).
+ENV_TIMEOUT=${ENV_TIMEOUT:-90}
+OP_COSTS_TIMEOUT=${OP_COSTS_TIMEOUT:-160}
+NCCL_TIMEOUT=${NCCL_TIMEOUT:-110}
+MEGATRON_TIMEOUT=${MEGATRON_TIMEOUT:-150}
+if [[ "$DRY_RUN" == 1 ]]; then MEGATRON_TIMEOUT=${MEGATRON_DRY_TIMEOUT:-240}; fi
+
+exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
+TEE_PID=$!
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
+
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export NCCL_MULTI_RANK_GPU_ENABLE=1          # NCCL >= 2.30: up to two ranks per GPU (experimental)
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export CUDA_DEVICE_MAX_CONNECTIONS=1         # Megatron's setting (launch_torchrun.sh)
+# The CPU dry run checks every pipeline step's calls against the NCCL model (runtime/strict.py),
+# as the tests do; on the GPU real NCCL is the judge.
+if [[ "$DRY_RUN" == 1 ]]; then export DUALPIPE_NCCL_STRICT=${DUALPIPE_NCCL_STRICT:-1}; fi
+
+SECTIONS=() STATUSES=() REASONS=()
+record() {  # record SECTION STATUS REASON
+    SECTIONS+=("$1") STATUSES+=("$2") REASONS+=("$3")
+    echo "== $1: $2 - $3"
+}
+header() { echo; echo "==================== $1 ===================="; }
+# run_limited SECONDS LOG CMD...: CMD under a hard timeout, output to LOG; returns its status.
+run_limited() {
+    local limit=$1 log=$2; shift 2
+    echo "\$ timeout $limit$(printf ' %q' "$@")"
+    timeout -k 15 "$limit" "$@" >"$log" 2>&1
+}
+# why_failed STATUS SECONDS: one phrase for a launch's exit status.
+why_failed() {
+    case "$1" in
+        124|137) echo "timed out after $2 s (hang?)" ;;
+        *) echo "exit status $1" ;;
+    esac
+}
+show_tail() { echo "--- last lines of $1 ---"; tail -n "${2:-40}" "$1"; echo "---"; }
+
+# -- env ---------------------------------------------------------------------------------------
+header "env"
+echo "mode: $([[ "$DRY_RUN" == 1 ]] && echo "CPU dry run (gloo, DUALPIPE_NCCL_STRICT=$DUALPIPE_NCCL_STRICT)" || echo GPU)"
+echo "repo: $REPO ($(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo 'no git'))"
+echo "output: $OUT_DIR"
+if command -v nvidia-smi >/dev/null; then
+    timeout 30 nvidia-smi || echo "nvidia-smi failed"
+else
+    echo "nvidia-smi: not found"
+fi
+
+# has_modules PYTHON MODULE...: does PYTHON import every MODULE?
+has_modules() {
+    local py=$1; shift
+    [[ -n "$py" ]] && command -v "$py" >/dev/null && timeout "$ENV_TIMEOUT" "$py" -c "
+import importlib, sys
+for m in sys.argv[1:]: importlib.import_module(m)" "$@" >/dev/null 2>&1
+}
+pick_python() {  # first interpreter with torch and megatron-core, else the first with torch
+    local py candidates=("${PYTHON:-}" "$REPO/.venv/bin/python" python3 python)
+    for py in "${candidates[@]}"; do has_modules "$py" torch megatron.core && { echo "$py"; return; }; done
+    for py in "${candidates[@]}"; do has_modules "$py" torch && { echo "$py"; return; }; done
+    for py in "${candidates[@]}"; do [[ -n "$py" ]] && command -v "$py" >/dev/null && { echo "$py"; return; }; done
+}
+# facts: KEY=value lines from the chosen interpreter
+facts() {
+    timeout "$ENV_TIMEOUT" "$PY" - <<'EOF' 2>/dev/null
+import sys
+print(f"PYTHON_VERSION={sys.version.split()[0]}")
+try:
+    import torch
+except Exception as exc:
+    print(f"TORCH=missing ({type(exc).__name__}: {exc})".replace("\n", " "))
+    raise SystemExit
+print(f"TORCH={torch.__version__}")
+cuda = torch.cuda.is_available()
+print(f"CUDA_AVAILABLE={int(cuda)}")
+print(f"CUDA_VERSION={torch.version.cuda}")
+if cuda:
+    print(f"GPU={torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
+try:
+    v = torch.cuda.nccl.version()
+    print("NCCL=" + ".".join(map(str, v)))
+    print(f"NCCL_MULTI_RANK={int(tuple(v[:2]) >= (2, 30))}")
+except Exception as exc:
+    print(f"NCCL=unavailable ({type(exc).__name__})")
+    print("NCCL_MULTI_RANK=0")
+try:
+    import megatron.core
+    print(f"MEGATRON={megatron.core.__version__}")
+except Exception as exc:
+    print(f"MEGATRON=missing ({type(exc).__name__}: {exc})".replace("\n", " "))
+EOF
+}
+load_facts() {
+    local unknown="missing (the probe failed or took over ${ENV_TIMEOUT} s)"
+    PYTHON_VERSION="" TORCH=$unknown CUDA_AVAILABLE=0 CUDA_VERSION="" GPU="" NCCL="unavailable"
+    NCCL_MULTI_RANK=0 MEGATRON=$unknown
+    [[ -z "$PY" ]] && return
+    local key value
+    while IFS='=' read -r key value; do
+        case "$key" in
+            PYTHON_VERSION|TORCH|CUDA_AVAILABLE|CUDA_VERSION|GPU|NCCL|NCCL_MULTI_RANK|MEGATRON)
+                printf -v "$key" '%s' "$value" ;;
+        esac
+    done < <(facts)
+}
+have_torch() { [[ "$TORCH" != missing* ]]; }
+have_megatron() { [[ "$MEGATRON" != missing* ]]; }
+print_facts() {
+    echo "python: ${PY:-none} ${PYTHON_VERSION}"
+    echo "torch: $TORCH (CUDA ${CUDA_VERSION:-none}); torch.cuda.is_available(): $([[ $CUDA_AVAILABLE == 1 ]] && echo True || echo False)${GPU:+; $GPU}"
+    echo "NCCL: $NCCL"
+    echo "megatron-core: $MEGATRON"
+}
+
+PY=$(pick_python)
+load_facts
+print_facts
+if [[ -z "$PY" ]]; then
+    record env FAIL "no python interpreter found"
+elif ! have_torch; then
+    record env FAIL "$PY has no torch"
+elif [[ "$DRY_RUN" != 1 && "$CUDA_AVAILABLE" != 1 ]]; then
+    record env FAIL "torch.cuda.is_available() is False (no GPU? run with --cpu-dry-run)"
+else
+    record env PASS "$PY: torch $TORCH, NCCL $NCCL, megatron-core ${MEGATRON%% *}"
+fi
+
+# -- setup ---------------------------------------------------------------------------------------
+header "setup"
+index_answers() {  # can pip reach a package index with megatron-core?
+    timeout 25 "${PY:-python3}" -m pip index versions megatron-core --retries 0 --timeout 8 >/dev/null 2>&1
+}
+if have_torch && have_megatron; then
+    record setup SKIP "not needed: $PY has torch and megatron-core"
+elif have_torch && compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
+    # The device README's way to bring packages to a machine without an index.
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/gpu_check_site .whl/*.whl; then
+        export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+        load_facts
+        print_facts
+        if have_megatron; then record setup PASS "megatron-core $MEGATRON from .whl/"
+        else record setup FAIL "installed .whl/ but megatron.core does not import: $MEGATRON"; fi
+    else
+        record setup FAIL "pip could not install .whl/*.whl"
+    fi
+elif index_answers; then
+    echo "torch: $TORCH; megatron-core: $MEGATRON; a package index answers: make setup"
+    if timeout 1200 make setup; then
+        PY="$REPO/.venv/bin/python"
+        load_facts
+        print_facts
+        record setup PASS "make setup: torch $TORCH, megatron-core $MEGATRON"
+    else
+        record setup FAIL "make setup failed"
+    fi
+else
+    missing=$(have_torch || echo -n "torch "; have_megatron || echo -n "megatron-core")
+    record setup SKIP "missing: ${missing}; no package index reachable and no .whl/megatron_core-*.whl, so nothing installed"
+fi
+
+# -- op costs --------------------------------------------------------------------------------------
+header "op_costs"
+if ! have_torch; then
+    record op_costs SKIP "no torch"
+elif [[ "$DRY_RUN" == 1 ]]; then
+    log="$SCRATCH/op_costs.log"
+    if OUT="$OUT_DIR/op_costs" run_limited "$OP_COSTS_TIMEOUT" "$log" "$PY" scripts/device_op_costs.py --dry-run; then
+        tail -n 3 "$log"
+        record op_costs PASS "CPU --dry-run (tiny shape; the CUDA measurement itself is skipped): $OUT_DIR/op_costs/"
+    else
+        rc=$?; show_tail "$log"
+        record op_costs FAIL "device_op_costs.py --dry-run: $(why_failed $rc "$OP_COSTS_TIMEOUT")"
+    fi
+elif [[ "$CUDA_AVAILABLE" != 1 ]]; then
+    record op_costs SKIP "no CUDA device"
+else
+    log="$SCRATCH/op_costs.log"
+    if OUT="$OUT_DIR/op_costs" run_limited "$OP_COSTS_TIMEOUT" "$log" "$PY" scripts/device_op_costs.py; then
+        cat "$log"
+        record op_costs PASS "measured on $GPU: $OUT_DIR/op_costs/{op_costs.json,projection.md,projection.json}"
+    else
+        rc=$?; show_tail "$log"
+        record op_costs FAIL "device_op_costs.py: $(why_failed $rc "$OP_COSTS_TIMEOUT")"
+    fi
+fi
+
+# Why a two-rank run cannot go on this GPU, or nothing (dry runs use gloo on CPU).
+two_rank_blocker() {
+    if [[ "$DRY_RUN" == 1 ]]; then return; fi
+    if [[ "$CUDA_AVAILABLE" != 1 ]]; then echo "no CUDA device"; return; fi
+    if [[ "$NCCL_MULTI_RANK" != 1 ]]; then echo "NCCL $NCCL < 2.30 refuses two ranks per GPU"; fi
+}
+TORCHRUN=(-m torch.distributed.run --standalone --nproc-per-node 2)
+
+# -- two ranks of the native runtime ---------------------------------------------------------------
+header "nccl_two_rank"
+blocker=$(two_rank_blocker)
+if ! have_torch; then
+    record nccl_two_rank SKIP "no torch"
+elif [[ -n "$blocker" ]]; then
+    echo "SKIP: $blocker"
+    record nccl_two_rank SKIP "$blocker"
+else
+    if [[ "$DRY_RUN" == 1 ]]; then args=(--device cpu); what="gloo on CPU"
+    else args=(--device cuda --timeout 30); what="NCCL $NCCL, 2 ranks on cuda:0"; fi
+    log="$OUT_DIR/nccl_two_rank.log"
+    run_limited "$NCCL_TIMEOUT" "$log" "$PY" "${TORCHRUN[@]}" scripts/nccl_two_rank.py "${args[@]}"
+    rc=$?
+    grep -E "^(world|hidden|PASS|FAIL|RESULT)" "$log"
+    if [[ $rc == 0 ]] && grep -q "^RESULT: PASS" "$log"; then
+        record nccl_two_rank PASS "$what: $(grep -c '^PASS' "$log") steps match one process"
+    else
+        show_tail "$log"
+        record nccl_two_rank FAIL "$what: $(why_failed $rc "$NCCL_TIMEOUT")$(grep -q '^FAIL' "$log" && echo ', a step differs from one process')"
+    fi
+fi
+
+# -- Megatron pretraining, dualpipev at PP=2 ------------------------------------------------------
+header "megatron_pp2"
+MODEL=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256
+       --max-position-embeddings 256 --vocab-size 1024 --position-embedding-type learned_absolute
+       --hidden-dropout 0 --attention-dropout 0)
+PARALLEL=(--pipeline-model-parallel-size 2 --pipeline-schedule dualpipev --dualpipe-p2p-timeout 60)
+# No apex, Transformer Engine or torch.compile on the device image: these fusions stay off there too.
+NO_FUSIONS=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+            --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm)
+CPU_ONLY=(--distributed-backend gloo --use-cpu-initialization)
+# Micro-batch 1, global batch 4, DP 1: 4 micro-batches per step (dualpipev needs >= 2 x PP).
+DATA=(--mock-data --tokenizer-type NullTokenizer --micro-batch-size 1 --global-batch-size 4
+      --seed 1234 --log-interval 1 --eval-interval 1000 --eval-iters 0)
+TRAIN=(--train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1)
+# Megatron pins each rank to cuda:LOCAL_RANK; on one GPU both ranks must say 0.
+PIN_GPU0=(--no-python bash -c 'LOCAL_RANK=0 exec "$0" "$@"' "$PY")
+blocker=$(two_rank_blocker)
+if ! have_torch || ! have_megatron; then
+    record megatron_pp2 SKIP "megatron-core not importable ($MEGATRON)"
+elif [[ -n "$blocker" ]]; then
+    echo "SKIP: $blocker"
+    record megatron_pp2 SKIP "$blocker"
+else
+    extra=()
+    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); what="gloo on CPU"
+    else what="NCCL $NCCL, 2 ranks on cuda:0"; fi
+    log="$OUT_DIR/megatron_pp2.log"
+    OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$log" "$PY" "${TORCHRUN[@]}" "${PIN_GPU0[@]}" \
+        scripts/pretrain_gpt.py "${MODEL[@]}" "${PARALLEL[@]}" "${NO_FUSIONS[@]}" "${extra[@]}" \
+        "${DATA[@]}" "${TRAIN[@]}"
+    rc=$?
+    loss_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: " "$log")
+    grep -E "iteration +[0-9]+/ +3 \|" "$log" | sed -E 's/.*(iteration +[0-9]+\/ +3).*(elapsed time per iteration \(ms\): [0-9.]+).*(lm loss: [0-9.E+-]+).*/\1 | \2 | \3/'
+    errors=$(grep -c "Traceback" "$log")
+    if [[ $rc == 0 && $loss_lines == 3 && $errors == 0 ]]; then
+        record megatron_pp2 PASS "$what: 3 iterations logged lm loss"
+    else
+        show_tail "$log" 60
+        if grep -q "compiling dataset index builder" "$log" && ! grep -q "done with dataset index builder" "$log"; then
+            echo "hint: Megatron's compile_helpers() ran make in megatron/core/datasets (the wheel ships no" \
+                 "Makefile); scripts/pretrain_gpt.py replaces it only when CUDA is absent (cpu_compat)"
+        fi
+        record megatron_pp2 FAIL "$what: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 loss lines, $errors tracebacks"
+    fi
+fi
+
+# -- summary ----------------------------------------------------------------------------------------
+header "summary"
+failed=0
+{
+    printf '%-15s %-5s %s\n' section result reason
+    for i in "${!SECTIONS[@]}"; do
+        printf '%-15s %-5s %s\n' "${SECTIONS[$i]}" "${STATUSES[$i]}" "${REASONS[$i]}"
+    done
+} | tee "$OUT_DIR/summary.txt"
+for s in "${STATUSES[@]}"; do [[ "$s" == FAIL ]] && failed=1; done
+echo "overall: $([[ $failed == 0 ]] && echo 'no FAIL' || echo FAIL) (logs in $OUT_DIR)"
+exec >&- 2>&-
+wait "$TEE_PID" 2>/dev/null  # let tee finish the log before returning
+exit "$failed"
