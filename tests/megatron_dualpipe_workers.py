@@ -526,12 +526,37 @@ def recompute_checks(pp: int) -> dict:
     return results
 
 
+def order_checks(pp: int) -> dict:
+    """A valid DualPipeV schedule whose first stage runs its first two forwards in swapped
+    micro-batch order: each forward must still read its own micro-batch (data by key)."""
+    from dualpipe_megatron.megatron import schedule as adapter
+    from dualpipe_megatron.schedules import F
+
+    layers, m, seed = 2 * pp, 2 * pp, 41
+    ref = _run_megatron(pp, layers, m, seed, False)
+    original = adapter.build_schedule
+
+    def swapped(name: str, ranks: int, microbatches: int):
+        sched = original(name, ranks, microbatches)
+        ops = sched.ops[0]
+        i, j = [k for k, op in enumerate(ops) if isinstance(op, F) and op.key.s == 0][:2]
+        ops[i], ops[j] = ops[j], ops[i]
+        return sched
+
+    adapter.build_schedule = swapped
+    try:
+        got = _run_ours("dualpipev", layers, m, seed, False)
+    finally:
+        adapter.build_schedule = original
+    return _compare(f"out_of_order_forwards_dualpipev_p{pp}", ref, got)
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     install_cpu_compat()
     pp = dist.get_world_size()
     results = (step_checks(pp) | ddp_checks(pp) | wgrad_checks(pp) | fp8_checks(pp)
-               | recompute_checks(pp) | checkpoint_key_checks(pp) | mirror_checks(pp))
+               | recompute_checks(pp) | checkpoint_key_checks(pp) | mirror_checks(pp) | order_checks(pp))
     publish(out_path, results)
 
 

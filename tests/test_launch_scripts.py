@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_pretrain_args(cmd: list[str]) -> argparse.Namespace:
-    from dualpipe_megatron.megatron import training_support
+    from dualpipe_megatron.megatron import support, training_support
     from dualpipe_megatron.megatron.model import check_configuration
 
     launcher = dict(zip(cmd[1:], cmd[2:]))
@@ -57,7 +57,7 @@ def _check_pretrain_args(cmd: list[str]) -> argparse.Namespace:
     world = int(launcher["--nnodes"]) * int(launcher["--nproc-per-node"])
     dp = world // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
     # The templates target GPU nodes with Transformer Engine, which FP8 needs (it is absent here).
-    with mock.patch.object(training_support, "_have_transformer_engine", lambda: True):
+    with mock.patch.object(support, "_have_transformer_engine", lambda: True):
         training_support.pre_validate(args)
     check_configuration(args.pipeline_schedule, args.pipeline_model_parallel_size,
                         args.global_batch_size // (args.micro_batch_size * dp), args.num_layers,

@@ -88,15 +88,18 @@ def test_guard_rejects_changed_or_missing_symbols(restore: None) -> None:
         return x
 
     fake = types.SimpleNamespace(f=f)
+    patches = guard.PatchSet("test")
     with pytest.raises(RuntimeError, match=r"expected parameters \['a', 'b'\], found \['x', 'y'\]"):
-        guard.patch_attr(fake, "f", lambda a, b: a, ["a", "b"])
+        patches.patch(fake, "f", lambda a, b: a, ["a", "b"])
     assert fake.f is f
     with pytest.raises(RuntimeError, match="not found"):
-        guard.patch_attr(fake, "g", lambda: None, [])
+        patches.patch(fake, "g", lambda: None, [])
 
-    assert guard.patch_attr(fake, "f", lambda x, y: y, ["x"])
-    assert not guard.patch_attr(fake, "f", lambda x, y: 0, ["x"]), "second patch is a no-op"
+    assert patches.patch(fake, "f", lambda x, y: y, ["x"])
+    assert not patches.patch(fake, "f", lambda x, y: 0, ["x"]), "second patch is a no-op"
     assert fake.f(1, 2) == 2
+    patches.restore()
+    assert fake.f is f
 
 
 def test_version_guard(monkeypatch: pytest.MonkeyPatch) -> None:

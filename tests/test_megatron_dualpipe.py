@@ -88,3 +88,8 @@ def test_fp8_contexts_and_first_microbatch_flags_match_interleaved(results: tupl
 def test_activation_recompute_composes(results: tuple[int, dict], granularity: str) -> None:
     """DualPipeV with the W split and Megatron's activation recompute equals 1F1B with it."""
     _check(results, f"recompute_{granularity}_dualpipev_p{{pp}}")
+
+
+def test_out_of_order_forwards_match_1f1b(results: tuple[int, dict]) -> None:
+    """Data by key: a stage's forwards out of micro-batch order still read their own data."""
+    _check(results, "out_of_order_forwards_dualpipev_p{pp}")

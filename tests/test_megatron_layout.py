@@ -11,7 +11,7 @@ from megatron.core.transformer.enums import LayerType
 
 from dualpipe_megatron.megatron.model import chunk_roles, check_configuration, dualpipe_layout
 from dualpipe_megatron.megatron.predicates import running_chunk, stage_map_active
-from dualpipe_megatron.megatron.schedule import stage_map_for, unsupported_options
+from dualpipe_megatron.megatron.support import stage_map_for, step_problems
 
 
 def test_dualpipev_roles_put_embedding_and_loss_on_rank_0() -> None:
@@ -57,10 +57,12 @@ def test_dualpipe_layout_offsets_follow_each_direction() -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (("dualpipe", 3, 12, 6), "needs an even pipeline-model-parallel size, got 3"),
-    (("dualpipe", 4, 9, 8), "needs an even number of micro-batches"),
-    (("dualpipev", 4, 7, 8), "needs at least 2 x pipeline size = 8 micro-batches per step, got 7"),
-    (("dualpipe", 4, 6, 8), "needs at least 2 x pipeline size = 8 micro-batches per step, got 6"),
+    # Schedule rules come from the generators, in the context of Megatron's sizes.
+    (("dualpipe", 3, 12, 6), "(pipeline-model-parallel size 3, 12 micro-batches per step): dualpipe needs an "
+                             "even number of ranks >= 2, got 3"),
+    (("dualpipe", 4, 9, 8), "dualpipe needs an even number of microbatches, got 9"),
+    (("dualpipev", 4, 7, 8), "needs microbatches >= 2*ranks (8), got 7; raise --global-batch-size"),
+    (("dualpipe", 4, 6, 8), "needs microbatches >= 2*ranks (8), got 6; raise --global-batch-size"),
     (("dualpipev", 2, 4, 6), "num_layers (6) is not divisible by the 4 pipeline stages"),
     (("dualpipev", 2, 4, 6, "Et|tt|tL"), "pipeline layout has 3 stages; this schedule needs 4"),
     (("zigzag", 2, 4, 4), "unknown pipeline schedule 'zigzag'"),
@@ -75,12 +77,12 @@ def test_configuration_errors(args: tuple, message: str) -> None:
 def test_unsupported_options_are_named_with_reasons() -> None:
     config = SimpleNamespace(variable_seq_lengths=True, mtp_num_layers=1,
                              overlap_moe_expert_parallel_comm=True, defer_embedding_wgrad_compute=True)
-    reasons = unsupported_options(config, False, True, lambda x: x)
+    reasons = step_problems(config, True, lambda x: x)
     assert [r.split(" ")[0] for r in reasons] == [
         "variable_seq_lengths", "multi-token", "defer_embedding_wgrad_compute", "collect_non_loss_data", "adjust_tensor_shapes_fn",
     ]
     clean = SimpleNamespace(variable_seq_lengths=False, mtp_num_layers=None)
-    assert unsupported_options(clean, False, False, None) == []
+    assert step_problems(clean, False, None) == []
 
 
 @pytest.fixture

@@ -84,7 +84,8 @@ def _config(**kwargs):
     (dict(recompute_granularity="full"), "full activation recomputation"),
 ])
 def test_models_that_fall_back_to_f_then_b(change: dict, reason: str) -> None:
-    from dualpipe_megatron.megatron.moe_overlap import overlap_blockers, overlap_enabled
+    from dualpipe_megatron.megatron.moe_overlap import overlap_enabled
+    from dualpipe_megatron.megatron.support import overlap_blockers
 
     config = _config(**change)
     assert any(reason in r for r in overlap_blockers(config, [_Plannable()], _forward_step))
@@ -99,7 +100,8 @@ def _no_warning():
 
 
 def test_overlap_needs_forward_step_with_schedule_plans_and_plannable_chunks() -> None:
-    from dualpipe_megatron.megatron.moe_overlap import overlap_blockers, overlap_enabled
+    from dualpipe_megatron.megatron.moe_overlap import overlap_enabled
+    from dualpipe_megatron.megatron.support import overlap_blockers
 
     config = _config()
     assert overlap_blockers(config, [_Plannable()], _forward_step) == []

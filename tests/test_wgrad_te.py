@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
+from dualpipe_megatron.megatron.support import delayed_wgrad_problems
 from dualpipe_megatron.megatron.wgrad_te import (
-    delayed_wgrad_problems, fifo_order_violations, install_delayed_wgrad_deferral,
+    fifo_order_violations, install_delayed_wgrad_deferral,
 )
 from dualpipe_megatron.runtime.wgrad import WeightGradStore, deferring
 from dualpipe_megatron.schedules import Schedule, W, build_schedule

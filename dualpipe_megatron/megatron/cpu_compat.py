@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from dualpipe_megatron.megatron.guard import check_version, patch_attr, restore_all
+from dualpipe_megatron.megatron.guard import PatchSet, check_version
 
 DISABLE_ENV = "DUALPIPE_CPU_COMPAT_DISABLE"
 CPU = torch.device("cpu")
 
+PATCHES = PatchSet("CPU compat")
 _installed: list[str] = []
 
 
@@ -35,9 +36,9 @@ _installed: list[str] = []
 
 def _install_device() -> None:
     """`torch.cuda.current_device()` is used as a tensor device throughout Megatron."""
-    patch_attr(torch.cuda, "current_device", lambda: CPU, [])
-    patch_attr(torch.cuda, "set_device", lambda device: None, ["device"])
-    patch_attr(torch.cuda, "synchronize", lambda device=None: None, ["device"])
+    PATCHES.patch(torch.cuda, "current_device", lambda: CPU, [])
+    PATCHES.patch(torch.cuda, "set_device", lambda device: None, ["device"])
+    PATCHES.patch(torch.cuda, "synchronize", lambda device=None: None, ["device"])
 
 
 # --- streams ------------------------------------------------------------------------------
@@ -91,13 +92,13 @@ _HOST_STREAM = HostStream()
 
 
 def _install_streams() -> None:
-    patch_attr(torch.cuda, "Stream", HostStream)
-    patch_attr(torch.cuda, "Event", HostEvent)
-    patch_attr(torch.cuda, "current_stream", lambda device=None: _HOST_STREAM, ["device"])
-    patch_attr(torch.cuda, "default_stream", lambda device=None: _HOST_STREAM, ["device"])
-    patch_attr(torch.cuda, "stream", lambda stream: contextlib.nullcontext(), ["stream"])
-    patch_attr(torch.cuda, "is_current_stream_capturing", lambda: False, [])
-    patch_attr(torch.Tensor, "record_stream", lambda self, stream: None)
+    PATCHES.patch(torch.cuda, "Stream", HostStream)
+    PATCHES.patch(torch.cuda, "Event", HostEvent)
+    PATCHES.patch(torch.cuda, "current_stream", lambda device=None: _HOST_STREAM, ["device"])
+    PATCHES.patch(torch.cuda, "default_stream", lambda device=None: _HOST_STREAM, ["device"])
+    PATCHES.patch(torch.cuda, "stream", lambda stream: contextlib.nullcontext(), ["stream"])
+    PATCHES.patch(torch.cuda, "is_current_stream_capturing", lambda: False, [])
+    PATCHES.patch(torch.Tensor, "record_stream", lambda self, stream: None)
 
 
 # --- rng ----------------------------------------------------------------------------------
@@ -123,27 +124,29 @@ def _install_rng() -> None:
     """
     from megatron.core.tensor_parallel import random as mrandom
 
-    patch_attr(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state(), ["device"])
-    patch_attr(
+    PATCHES.patch(
+        torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state(), ["device"]
+    )
+    PATCHES.patch(
         torch.cuda,
         "set_rng_state",
         lambda new_state, device="cuda": torch.set_rng_state(new_state),
         ["new_state", "device"],
     )
-    patch_attr(
+    PATCHES.patch(
         torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(seed), ["seed"]
     )
-    patch_attr(
+    PATCHES.patch(
         mrandom,
         "_get_cuda_rng_state",
         lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(),
-        ["device", "clone", "graph_safe"],
+        "(device='cuda', clone=False, graph_safe=False)",
     )
-    patch_attr(
+    PATCHES.patch(
         mrandom,
         "_set_cuda_rng_state",
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state),
-        ["new_state", "device", "graph_safe"],
+        "(new_state, device=-1, graph_safe=False)",
     )
     logging.getLogger(_RANDOM_MODULE).addFilter(_FORK_WARNING_FILTER)
 
@@ -187,9 +190,9 @@ def _with_host_device(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _install_factories() -> None:
     """Megatron writes `device="cuda"` literally (schedules, masks, clip_grads, optimizers)."""
     for name in _FACTORIES:
-        patch_attr(torch, name, _with_host_device(getattr(torch, name)))
+        PATCHES.patch(torch, name, _with_host_device(getattr(torch, name)))
     for name in _TENSOR_FACTORIES:
-        patch_attr(torch.Tensor, name, _with_host_device(getattr(torch.Tensor, name)))
+        PATCHES.patch(torch.Tensor, name, _with_host_device(getattr(torch.Tensor, name)))
 
     tensor_to = torch.Tensor.to
 
@@ -200,9 +203,9 @@ def _install_factories() -> None:
             kwargs["device"] = _host(kwargs["device"])
         return tensor_to(self, *args, **kwargs)
 
-    patch_attr(torch.Tensor, "to", to)
-    patch_attr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
-    patch_attr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
+    PATCHES.patch(torch.Tensor, "to", to)
+    PATCHES.patch(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    PATCHES.patch(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
 
 
 # --- type strings -------------------------------------------------------------------------
@@ -218,7 +221,7 @@ def _install_type_strings() -> None:
             return tensor_type(self).replace("torch.", "torch.cuda.", 1)
         return tensor_type(self, dtype, *args, **kwargs)
 
-    patch_attr(torch.Tensor, "type", type_)
+    PATCHES.patch(torch.Tensor, "type", type_)
 
 
 # --- all_to_all ---------------------------------------------------------------------------
@@ -243,7 +246,7 @@ def _install_all_to_all() -> None:
         return a2a(output, input, _as_list(output_split_sizes), _as_list(input_split_sizes),
                    *args, **kwargs)  # fmt: skip
 
-    patch_attr(
+    PATCHES.patch(
         torch.distributed,
         "all_to_all_single",
         all_to_all_single,
@@ -258,7 +261,7 @@ def _install_compile() -> None:
     """`jit_fuser` is `torch.compile`: on CPU that costs a C compiler and ~15 s of cold start."""
     import torch._dynamo
 
-    patch_attr(torch._dynamo.config, "disable", True)
+    PATCHES.patch(torch._dynamo.config, "disable", True)
 
 
 # --- pretrain -----------------------------------------------------------------------------
@@ -269,6 +272,12 @@ class _Unavailable(Exception):
 
 
 _initializing = 0
+_INITIALIZE_MEGATRON = (
+    "(allow_no_cuda=False, skip_mpu_initialization=False, get_embedding_ranks=None, "
+    "get_position_embedding_ranks=None, store=None, skip_model_parallel_init=False, "
+    "seed_pp_group=None, seed_dp_group=None, seed_tp_group=None, seed_ep_group=None, "
+    "seed_etp_group=None, skip_random_seed=False)"
+)
 
 
 def _install_pretrain() -> None:
@@ -300,9 +309,9 @@ def _install_pretrain() -> None:
     def compile_helpers() -> None:
         importlib.import_module("megatron.core.datasets.helpers_cpp")  # prebuilt in the wheel
 
-    patch_attr(training, "initialize_megatron", initialize_megatron, ["allow_no_cuda"])
-    patch_attr(torch.cuda, "device_count", count_devices, [])
-    patch_attr(dataset_utils, "compile_helpers", compile_helpers, [])
+    PATCHES.patch(training, "initialize_megatron", initialize_megatron, _INITIALIZE_MEGATRON)
+    PATCHES.patch(torch.cuda, "device_count", count_devices, [])
+    PATCHES.patch(dataset_utils, "compile_helpers", compile_helpers, "()")
 
 
 GROUPS: dict[str, Callable[[], None]] = {
@@ -358,8 +367,8 @@ def install_cpu_compat(groups: Iterable[str] | None = None, force: bool = False)
 
 
 def uninstall_cpu_compat() -> None:
-    """Restore every patched symbol (tests and diagnosis)."""
-    restore_all()
+    """Restore the symbols this layer patched, and only those (tests and diagnosis)."""
+    PATCHES.restore()
     if "rng" in _installed:
         logging.getLogger(_RANDOM_MODULE).removeFilter(_FORK_WARNING_FILTER)
     _installed.clear()
@@ -374,6 +383,7 @@ __all__ = [
     "GROUPS",
     "HostEvent",
     "HostStream",
+    "PATCHES",
     "install_cpu_compat",
     "installed_groups",
     "uninstall_cpu_compat",

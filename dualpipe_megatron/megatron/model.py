@@ -16,12 +16,15 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from ..schedules import ScheduleError
 from .grads import (
     broadcast_mirrored_params, build_mirror_group, mark_mirror_copies_shared, tie_embeddings_locally,
 )
-from .schedule import SCHEDULES, DualPipeOptions, stage_map_for
+from .guard import PatchSet
+from .schedule import DualPipeOptions
+from .support import configuration_problems, stage_map_for
 from .topology import DualPipeLayout, StageMap, stage_layer_types
+from .wgrad_megatron import install_linear_deferral
+from .wgrad_te import install_delayed_wgrad_deferral
 
 
 @dataclass(frozen=True)
@@ -44,31 +47,9 @@ def chunk_roles(stage_map: StageMap, rank: int) -> list[ChunkRole]:
 def check_configuration(schedule: str, pipeline_size: int, num_microbatches: int | None,
                         num_layers: int, layout: str | list | None = None) -> None:
     """Reject a configuration our schedules cannot run, before any model is built."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
-    if schedule == "dualpipe" and pipeline_size % 2:
-        raise ValueError(
-            f"--pipeline-schedule dualpipe needs an even pipeline-model-parallel size, got {pipeline_size}"
-        )
-    if pipeline_size < 2:
-        raise ValueError(f"--pipeline-schedule {schedule} needs pipeline-model-parallel size >= 2")
-    if num_microbatches is not None:
-        if schedule == "dualpipe" and num_microbatches % 2:
-            raise ValueError(
-                f"--pipeline-schedule dualpipe needs an even number of micro-batches (half go each "
-                f"way), got {num_microbatches}"
-            )
-        if num_microbatches < 2 * pipeline_size:
-            raise ValueError(
-                f"--pipeline-schedule {schedule} needs at least 2 x pipeline size = "
-                f"{2 * pipeline_size} micro-batches per step, got {num_microbatches}; raise "
-                f"--global-batch-size or lower --micro-batch-size"
-            )
-    stages = stage_map_for(schedule, pipeline_size).num_stages
-    try:
-        stage_layer_types(num_layers, stages, layout)
-    except ScheduleError as exc:
-        raise ValueError(f"--pipeline-schedule {schedule}: {exc}") from None
+    problems = configuration_problems(schedule, pipeline_size, num_microbatches, num_layers, layout)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def dualpipe_layout(schedule: str, pipeline_size: int, num_layers: int,
@@ -81,18 +62,26 @@ def dualpipe_layout(schedule: str, pipeline_size: int, num_layers: int,
 def prepare_model(model: Sequence[nn.Module], options: DualPipeOptions, rank: int,
                   ranks: int) -> DualPipeOptions:
     """Once, after the chunks are built and before the optimizer: tie embeddings locally and,
-    for DualPipe, make the mirrored copies equal and mark the second copy shared.
+    for DualPipe, make the mirrored copies equal and mark the second copy shared. Also installs
+    the weight-gradient deferral patches (inert outside a ``B`` with ``w:false``).
 
     Collective over the world for DualPipe (it creates the mirror-pair groups).
     """
+    install_linear_deferral()
+    install_delayed_wgrad_deferral()
     stage_map = stage_map_for(options.schedule, ranks)
     tie_embeddings_locally(model, stage_map, rank)
+    options.state.prepared = True
     if options.schedule == "dualpipe":
-        options.mirror_group = build_mirror_group()
-        broadcast_mirrored_params(model, stage_map, rank, options.mirror_group)
+        options.state.mirror_group = build_mirror_group()
+        broadcast_mirrored_params(model, stage_map, rank, options.state.mirror_group)
         mark_mirror_copies_shared(model)
         save_mirror_copies_as_replicas(model[1])
     return options
+
+
+# Holds each patched chunk until uninstall_mirror_replicas().
+MIRROR_REPLICAS = PatchSet("mirror replicas")
 
 
 def _as_replica(sharded: Any) -> None:
@@ -103,7 +92,7 @@ def _as_replica(sharded: Any) -> None:
 def save_mirror_copies_as_replicas(chunk: nn.Module) -> None:
     """DualPipe's direction-1 copy saves as a replica of direction 0's, so a checkpoint holds
     each parameter once (the same convention as Megatron's tied output-layer copy) and loads
-    into every copy, under any schedule."""
+    into every copy, under any schedule. Patches this chunk's ``sharded_state_dict`` only, once."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.utils import unwrap_model
 
@@ -118,7 +107,13 @@ def save_mirror_copies_as_replicas(chunk: nn.Module) -> None:
                 _as_replica(sharded)
         return state
 
-    module.sharded_state_dict = sharded_state_dict
+    MIRROR_REPLICAS.patch(module, "sharded_state_dict", sharded_state_dict,
+                          "(prefix='', sharded_offsets=(), metadata=None)")
+
+
+def uninstall_mirror_replicas() -> None:
+    """Give every patched chunk its class's ``sharded_state_dict`` back."""
+    MIRROR_REPLICAS.restore()
 
 
 def embedding_ranks(pp_ranks: list[int], *_: Any) -> list[int]:

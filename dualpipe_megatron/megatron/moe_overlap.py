@@ -37,59 +37,19 @@ and the plans run in program order).
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
-from ..schedules import FB, Op
+from ..schedules import FB, Key, Op
 from .predicates import running_chunk
-from .schedule import _MegatronStage, _Step
+from .stages import MegatronStage, MegatronStep
+from .support import overlap_blockers
 
 _said: set[str] = set()  # messages printed once per process
-
-
-def _accepts_schedule_plan(func: Callable) -> bool:
-    try:
-        params = inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-    return "return_schedule_plan" in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def overlap_blockers(config: Any, chunks: Sequence[nn.Module], forward_step_func: Callable) -> list[str]:
-    """Why the overlap cannot run for this model (empty: it can)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    reasons = []
-    if not getattr(config, "num_moe_experts", None):
-        reasons.append("dense model (no MoE layers)")
-    if (getattr(config, "expert_model_parallel_size", 1) or 1) <= 1:
-        reasons.append("expert-model-parallel size 1 (no all-to-all to hide)")
-    if getattr(config, "moe_token_dispatcher_type", None) not in ("alltoall", "flex"):
-        reasons.append(f"token dispatcher {getattr(config, 'moe_token_dispatcher_type', None)!r} "
-                       f"(needs alltoall or flex)")
-    if getattr(config, "recompute_granularity", None) == "full" or getattr(config, "recompute_method", None):
-        reasons.append("full activation recomputation")
-    if "moe" in (getattr(config, "recompute_modules", None) or []):
-        reasons.append("recompute of the moe module")
-    if getattr(config, "moe_shared_expert_overlap", False):
-        reasons.append("moe_shared_expert_overlap")
-    for chunk in chunks:
-        try:
-            get_attr_wrapped_model(chunk, "build_schedule_plan", return_model_obj=True)
-        except RuntimeError:
-            reasons.append(f"{type(chunk).__name__} has no build_schedule_plan")
-            break
-    if not reasons and not _accepts_schedule_plan(forward_step_func):
-        reasons.append("forward_step_func does not accept return_schedule_plan=True "
-                       "(return model.build_schedule_plan(...) then, as Megatron's pretrain_gpt does)")
-    return reasons
 
 
 def overlap_enabled(enabled: bool, config: Any, chunks: Sequence[nn.Module], forward_step_func: Callable,
@@ -173,23 +133,20 @@ def _pending_of(tensor: torch.Tensor) -> _Pending:
     return pending
 
 
-class MoEOverlapStage(_MegatronStage):
+class MoEOverlapStage(MegatronStage):
     """A stage whose training forwards are Megatron schedule plans; an FB op of two such stages
     runs through :meth:`overlapped_forward_backward` (the executor's DeepSeek-style hook)."""
 
-    def describe(self) -> str:
-        return f"chunk {self.chunk} (direction {self.d}{', last stage' if self.is_last else ''})"
-
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self._combined(self, list(inputs), None, None)
+    def __call__(self, *inputs: torch.Tensor, key: Key) -> torch.Tensor:
+        return self._combined(self, list(inputs), None, None, key)
 
     @staticmethod
     def overlapped_forward_backward(
         module0: "MoEOverlapStage", inputs0: list[torch.Tensor], criterion0: Callable | None,
         labels0: list[Any], module1: "MoEOverlapStage", loss1: torch.Tensor | None,
-        outputs1: list[torch.Tensor], output_grads1: list[torch.Tensor],
+        outputs1: list[torch.Tensor], output_grads1: list[torch.Tensor], key0: Key,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """F of ``module0`` on ``inputs0`` together with B of ``module1`` (DeepSeek's hook)."""
+        """F of ``module0`` on ``inputs0`` (op key ``key0``) together with B of ``module1`` (DeepSeek's hook)."""
         if loss1 is not None:
             pending, grad = _pending_of(loss1), None
         else:
@@ -199,14 +156,15 @@ class MoEOverlapStage(_MegatronStage):
             pending, grad = _pending_of(outputs1[0]), output_grads1[0]
         if pending.stage is not module1:
             raise RuntimeError(f"B half of {module1.describe()} got an output of {pending.stage.describe()}")
-        outputs0 = MoEOverlapStage._combined(module0, list(inputs0), pending, grad)
+        outputs0 = MoEOverlapStage._combined(module0, list(inputs0), pending, grad, key0)
         loss0 = criterion0(outputs0, *labels0) if criterion0 is not None else None
         return outputs0, loss0
 
     @staticmethod
     def _combined(f: "MoEOverlapStage | None", f_inputs: list[torch.Tensor] | None,
-                  b: _Pending | None, b_grad: torch.Tensor | None) -> torch.Tensor | None:
-        """One ``combined_forward_backward_step``: F of stage ``f`` (if any) with B of ``b`` (if any).
+                  b: _Pending | None, b_grad: torch.Tensor | None, key: Key | None = None) -> torch.Tensor | None:
+        """One ``combined_forward_backward_step``: F of stage ``f`` for op ``key`` (if any) with B of
+        ``b`` (if any).
 
         Returns F's stage output (on the last stage: the loss) behind a :class:`_PlanBoundary`.
         """
@@ -214,7 +172,7 @@ class MoEOverlapStage(_MegatronStage):
         from megatron.core.pipeline_parallel.utils import set_streams
 
         owner = f if f is not None else b.stage
-        step: _Step = owner.step
+        step: MegatronStep = owner.step
         config = step.config
         set_streams(high_priority=getattr(config, "high_priority_a2a_comm_stream", False))
         kwargs: dict[str, Any] = dict(b_model=None, b_input_tensor=None, b_output_tensor=None,
@@ -227,15 +185,13 @@ class MoEOverlapStage(_MegatronStage):
                 **kwargs)
             return None
 
-        m = f.calls
-        f.calls += 1
-        first = mcore_schedules.check_first_val_step(step.first_val_step, step.forward_only, m == 0)
+        reader, global_m, first = f.forward_args(key)
         with running_chunk(f.chunk):
             output, num_tokens, _ = combined_forward_backward_step(
-                step.forward_step_func, step.iterators[f.chunk], step.model[f.chunk],
+                step.forward_step_func, reader, step.model[f.chunk],
                 step.num_microbatches, f_inputs[0] if f_inputs else None,
-                step.stores.setdefault(f.d, []), config=config, f_model_chunk_id=f.chunk,
-                is_first_microbatch=first, current_microbatch=f.offset + m, **kwargs,
+                step.store_for(f.d, key.m), config=config, f_model_chunk_id=f.chunk,
+                is_first_microbatch=first, current_microbatch=global_m, **kwargs,
             )
         if f.is_last:
             step.num_tokens += num_tokens
@@ -249,4 +205,4 @@ class MoEOverlapStage(_MegatronStage):
         return alias
 
 
-__all__ = ["MoEOverlapStage", "overlap_blockers", "overlap_enabled"]
+__all__ = ["MoEOverlapStage", "announce_overlap", "overlap_enabled"]

@@ -20,26 +20,36 @@ from typing import Callable, Iterator
 
 from megatron.core import parallel_state
 
-from .guard import is_patched, patch_attr
+from .guard import PatchSet
 from .topology import StageMap
 
-_active: list[StageMap] = []
+_active: list[StageMap] = []  # entered around each step (innermost last)
+_job: list[StageMap] = []  # at most one: the training job's placement, between steps too
 _chunk: ContextVar[int | None] = ContextVar("dualpipe_running_chunk", default=None)
+PATCHES = PatchSet("stage predicates")
 
 
 def active_stage_map() -> StageMap | None:
-    return _active[-1] if _active else None
+    return _active[-1] if _active else (_job[0] if _job else None)
 
 
 @contextmanager
 def stage_map_active(stage_map: StageMap) -> Iterator[None]:
-    """Make the predicates answer from ``stage_map`` (nestable; restores on exit)."""
+    """Make the predicates answer from ``stage_map`` while a step runs (nestable; restores on exit)."""
     install_predicates()
     _active.append(stage_map)
     try:
         yield
     finally:
         _active.pop()
+
+
+def set_job_stage_map(stage_map: StageMap | None) -> None:
+    """The placement the predicates answer from outside steps too (model building, data loading,
+    logging in Megatron's training loop); ``None`` restores Megatron's own answers."""
+    if stage_map is not None:
+        install_predicates()
+    _job[:] = [stage_map] if stage_map is not None else []
 
 
 @contextmanager
@@ -53,7 +63,7 @@ def running_chunk(chunk: int) -> Iterator[None]:
 
 
 def _answer(test: Callable[[StageMap, int, int], bool], ignore_virtual: bool, vp_stage: int | None) -> bool:
-    stage_map = _active[-1]
+    stage_map = active_stage_map()
     rank = parallel_state.get_pipeline_model_parallel_rank()
     chunk = vp_stage if (vp_stage is not None and not ignore_virtual) else _chunk.get()
     if chunk is not None:
@@ -65,14 +75,14 @@ def install_predicates() -> None:
     """Patch the two ``parallel_state`` predicates (idempotent; inert while no map is active)."""
     for name, test in (("is_pipeline_first_stage", StageMap.is_first),
                        ("is_pipeline_last_stage", StageMap.is_last)):
-        if is_patched(parallel_state, name):
+        if PATCHES.is_patched(parallel_state, name):
             continue
         original = getattr(parallel_state, name)
 
         def predicate(ignore_virtual: bool = True, vp_stage: int | None = None,
                       _original: Callable = original, _test: Callable = test) -> bool:
-            if not _active:
+            if active_stage_map() is None:
                 return _original(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
             return _answer(_test, ignore_virtual, vp_stage)
 
-        patch_attr(parallel_state, name, predicate, ["ignore_virtual", "vp_stage"])
+        PATCHES.patch(parallel_state, name, predicate, "(ignore_virtual=True, vp_stage=None)")

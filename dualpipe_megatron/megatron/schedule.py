@@ -1,12 +1,14 @@
 """DualPipe and DualPipeV as a Megatron-Core ``forward_backward_func``.
 
 The op order comes from :mod:`dualpipe_megatron.schedules` and is executed by
-:mod:`dualpipe_megatron.runtime`; this module only adapts Megatron's contracts:
-each chunk's forward runs through Megatron's own ``forward_step`` (loss
-scaling by the number of micro-batches, MoE aux-loss and MTP scales, per-token
-loss, ``forward_data_store``), the step runs under ``no_sync``, ties and
-mirrored copies are reduced before ``finalize_model_grads_func``, and the loss
-reports are handed to the last pipeline rank, where ``train_step`` reads them.
+:mod:`dualpipe_megatron.runtime`; this module only adapts Megatron's contracts,
+in three steps: :func:`plan_step` checks the call and picks the schedule, the
+stages and the MoE overlap; :func:`run_step` executes the op list, each chunk's
+forward through Megatron's own ``forward_step`` (loss scaling by the number of
+micro-batches, MoE aux-loss and MTP scales, per-token loss,
+``forward_data_store``) under ``no_sync``; :func:`finish_step` sums tied and
+mirrored gradients before ``finalize_model_grads_func`` and hands the loss
+reports to the last pipeline rank, where ``train_step`` reads them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
@@ -29,17 +30,28 @@ from ..runtime.plan import MessagePlan
 from ..schedules import Schedule, ScheduleError, build_schedule, validate
 from ..trace.recorder import OpTracer
 from .grads import sum_mirrored_grads, sum_tied_embedding_grads
-from .predicates import running_chunk, stage_map_active
+from .guard import check_private_symbols
+from .moe_overlap import MoEOverlapStage, announce_overlap, overlap_enabled
+from .predicates import stage_map_active
+from .stages import MegatronStage, MegatronStep, MicrobatchData
+from .support import SCHEDULES, delayed_wgrad_problems, stage_map_for, step_problems
 from .topology import StageMap
-from .wgrad_megatron import install_linear_deferral
-from .wgrad_te import delayed_wgrad_problems, install_delayed_wgrad_deferral
 
-SCHEDULES = ("dualpipev", "dualpipe")
+
+@dataclass
+class DualPipeState:
+    """What a job's schedule keeps between steps; set by the adapter, not by users."""
+
+    prepared: bool = False  # prepare_model ran (ties, mirrors, weight-grad patches)
+    mirror_group: dist.ProcessGroup | None = None  # DualPipe only, from prepare_model
+    last_stats: StepStats | None = None  # the executor's counters of the latest step
+    plans: dict = field(default_factory=dict)  # (ranks, M, forward_only, rank) -> (schedule, plan)
+    tracer: OpTracer | None = None  # created on the first step when tracing
 
 
 @dataclass
 class DualPipeOptions:
-    """How our forward_backward_func runs; one instance per training job."""
+    """How our forward_backward_func runs (user configuration); one instance per training job."""
 
     schedule: str = "dualpipev"
     timeout: float = 600.0
@@ -47,110 +59,15 @@ class DualPipeOptions:
     defer_weight_grads: bool = True  # B(w:false) defers Megatron linears' weight grads to its W
     trace_dir: str | None = None  # record every executed op (see dualpipe_megatron.trace)
     moe_overlap: bool = True  # MoE (EP > 1): FB ops overlap F and B layer by layer (moe_overlap.py)
-    mirror_group: dist.ProcessGroup | None = None  # DualPipe only, from prepare_model
-    last_stats: StepStats | None = None  # the executor's counters of the latest step
-    _plans: dict = field(default_factory=dict)
-    _tracer: OpTracer | None = field(default=None, repr=False)  # created on the first step when tracing
+    state: DualPipeState = field(default_factory=DualPipeState, repr=False, compare=False)
 
+    @property
+    def mirror_group(self) -> dist.ProcessGroup | None:
+        return self.state.mirror_group
 
-def stage_map_for(schedule: str, ranks: int) -> StageMap:
-    """Placement of model stages on (rank, chunk); independent of the micro-batch count."""
-    return StageMap.of(build_schedule(schedule, ranks, 2 * ranks))
-
-
-def unsupported_options(config: Any, forward_only: bool, collect_non_loss_data: bool,
-                        adjust_tensor_shapes_fn: Callable | None) -> list[str]:
-    """Megatron options our schedules do not run yet, each with the reason."""
-    reasons = []
-    if config.variable_seq_lengths:
-        reasons.append("variable_seq_lengths (p2p shapes must be fixed)")
-    if getattr(config, "mtp_num_layers", None):
-        reasons.append("multi-token prediction (MTP placement on V-shaped chunks is not wired)")
-    if getattr(config, "defer_embedding_wgrad_compute", False):
-        reasons.append("defer_embedding_wgrad_compute")
-    if collect_non_loss_data:
-        reasons.append("collect_non_loss_data")
-    if adjust_tensor_shapes_fn is not None:
-        reasons.append("adjust_tensor_shapes_fn")
-    return reasons
-
-
-class _DirectionView:
-    """A chunk's data iterator seen by one DualPipe direction.
-
-    Direction ``d`` handles micro-batches ``[offset, offset + count)`` of the
-    ``total`` the iterator yields per step. It skips lazily, so a chunk whose
-    forward step never reads its iterator (a middle stage) never consumes it.
-    """
-
-    def __init__(self, it: Iterator, offset: int, count: int, total: int) -> None:
-        self.it, self.offset, self.count, self.total = it, offset, count, total
-        self.taken = 0
-
-    def __iter__(self) -> "_DirectionView":
-        return self
-
-    def __next__(self) -> Any:
-        if self.taken == 0:
-            for _ in range(self.offset):
-                next(self.it)
-        self.taken += 1
-        return next(self.it)
-
-    def finish(self) -> None:
-        """Leave the iterator at the start of the next step, as Megatron's schedules do."""
-        if self.taken:
-            for _ in range(self.total - self.offset - self.taken):
-                next(self.it)
-
-
-@dataclass
-class _Step:
-    """What every stage callable of one step shares."""
-
-    forward_step_func: Callable
-    model: Sequence[nn.Module]
-    iterators: list[Any]
-    config: Any
-    num_microbatches: int
-    cp_size: int
-    forward_only: bool
-    first_val_step: bool | None
-    stores: dict[int, list] = field(default_factory=dict)
-    num_tokens: torch.Tensor = field(default_factory=lambda: torch.tensor(0, dtype=torch.int))
-
-
-class _MegatronStage:
-    """Stage ``(d, s)`` held in chunk ``chunk``, called by the executor like a module.
-
-    Its input is the received activation (none on the first stage); it runs
-    Megatron's ``forward_step`` for the next micro-batch of its direction and
-    returns the stage output, or on the last stage the (grad-scaled) loss the
-    executor starts the backward from.
-    """
-
-    def __init__(self, step: _Step, chunk: int, d: int, is_last: bool, offset: int) -> None:
-        self.step, self.chunk, self.d, self.is_last, self.offset = step, chunk, d, is_last, offset
-        self.calls = 0
-
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        step, m = self.step, self.calls
-        self.calls += 1
-        first = mcore_schedules.check_first_val_step(step.first_val_step, step.forward_only, m == 0)
-        with running_chunk(self.chunk):
-            output, num_tokens = mcore_schedules.forward_step(
-                step.forward_step_func, step.iterators[self.chunk], step.model[self.chunk],
-                step.num_microbatches, inputs[0] if inputs else None,
-                step.stores.setdefault(self.d, []), step.config, step.cp_size,
-                is_first_microbatch=first, current_microbatch=self.offset + m,
-                vp_stage=self.chunk, is_last_stage=self.is_last,
-            )
-        if not self.is_last:
-            return output
-        step.num_tokens += num_tokens
-        if not step.forward_only and step.config.grad_scale_func is not None:
-            output = step.config.grad_scale_func(output)
-        return output
+    @property
+    def last_stats(self) -> StepStats | None:
+        return self.state.last_stats
 
 
 def _as_list(x: Any, n: int) -> list[Any]:
@@ -167,48 +84,158 @@ def _no_sync(config: Any, chunks: int) -> Iterator[None]:
         yield
 
 
-def _relay_to_last_rank(sched: Schedule, rank: int, stores: dict[int, list], group: dist.ProcessGroup) -> list:
+def _relay_to_last_rank(sched: Schedule, rank: int, step: MegatronStep, group: dist.ProcessGroup) -> list:
     """Loss reports of all directions, in global micro-batch order, on the last pipeline rank."""
     last = sched.ranks - 1
     gathered: list = []
     for d in range(sched.directions):
         src = sched.rank_of(d, sched.stages - 1)
         if src == last:
-            gathered += stores.get(d, []) if rank == last else []
+            gathered += step.reports(d) if rank == last else []
             continue
-        box = [stores.get(d, []) if rank == src else None]
+        box = [step.reports(d) if rank == src else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
         gathered += box[0] if rank == last else []
     return gathered
 
 
+@dataclass
+class StepPlan:
+    """Everything :func:`run_step` needs, decided before any compute or communication."""
+
+    sched: Schedule
+    plan: MessagePlan
+    stage_map: StageMap
+    group: dist.ProcessGroup
+    rank: int
+    chunks: list[nn.Module]
+    config: Any
+    pg_collection: Any
+    overlap: bool
+    shapes: list
+    forward_only: bool
+
+
 def _schedule(options: DualPipeOptions, ranks: int, microbatches: int, forward_only: bool,
               rank: int) -> tuple[Schedule, MessagePlan]:
     key = (ranks, microbatches, forward_only, rank)
-    if key not in options._plans:
+    plans = options.state.plans
+    if key not in plans:
         try:
             sched = build_schedule(options.schedule, ranks, microbatches)
         except ScheduleError as exc:
             raise ValueError(f"--pipeline-schedule {options.schedule}: {exc}") from None
         validate(sched)
-        options._plans[key] = (sched, MessagePlan.build(sched, rank, forward_only))
-    return options._plans[key]
+        plans[key] = (sched, MessagePlan.build(sched, rank, forward_only))
+    return plans[key]
+
+
+def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: nn.Module | Sequence[nn.Module],
+              num_microbatches: int, seq_length: int, micro_batch_size: int, decoder_seq_length: int | None,
+              forward_only: bool, collect_non_loss_data: bool, adjust_tensor_shapes_fn: Callable | None,
+              pg_collection: Any) -> StepPlan:
+    """Check one call and decide how it runs; raises ``ValueError`` naming every unsupported option."""
+    if not options.state.prepared:
+        raise RuntimeError(f"--pipeline-schedule {options.schedule}: call prepare_model() once after "
+                           f"building the model")
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    config = get_model_config(chunks[0])
+    reasons = step_problems(config, collect_non_loss_data, adjust_tensor_shapes_fn)
+    if reasons:
+        raise ValueError(f"--pipeline-schedule {options.schedule} does not support: " + "; ".join(reasons))
+    if pg_collection is None:
+        pg_collection = mcore_schedules._build_default_pg_collection()
+    group = pg_collection.pp
+    ranks, rank = group.size(), group.rank()
+    sched, plan = _schedule(options, ranks, num_microbatches, forward_only, rank)
+    stage_map = StageMap.of(sched)
+    if len(chunks) != stage_map.chunks:
+        raise ValueError(
+            f"--pipeline-schedule {options.schedule} needs {stage_map.chunks} model chunks per "
+            f"rank (virtual pipeline size {stage_map.chunks}), got {len(chunks)}"
+        )
+    overlap = overlap_enabled(options.moe_overlap, config, chunks, forward_step_func, forward_only)
+    problems = delayed_wgrad_problems(config, sched, rank, overlap, options.defer_weight_grads, forward_only)
+    if problems:
+        raise ValueError(f"--pipeline-schedule {options.schedule}: " + "; ".join(problems))
+    shapes = mcore_schedules.get_tensor_shapes(
+        seq_length=seq_length, micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length, config=config, tp_group=pg_collection.tp,
+        cp_group=pg_collection.cp,
+    )
+    return StepPlan(sched, plan, stage_map, group, rank, chunks, config, pg_collection, overlap, shapes,
+                    forward_only)
 
 
 def _tracer(options: DualPipeOptions, group: dist.ProcessGroup) -> OpTracer | None:
     """This process's op tracer when ``options.trace_dir`` is set (one file per process and job)."""
-    if options.trace_dir is not None and options._tracer is None:
-        options._tracer = OpTracer.for_group(options.trace_dir, group)
-    return options._tracer
+    if options.trace_dir is not None and options.state.tracer is None:
+        options.state.tracer = OpTracer.for_group(options.trace_dir, group)
+    return options.state.tracer
+
+
+def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: Callable, data_iterator: Any,
+             first_val_step: bool | None) -> MegatronStep:
+    """Execute this rank's op list; each stage reads its micro-batch's data by the op's key."""
+    sp, config = step_plan, step_plan.config
+    if config.param_sync_func is not None:
+        for c, func in enumerate(_as_list(config.param_sync_func, len(sp.chunks))):
+            func(sp.chunks[c].parameters())
+    num_microbatches = sp.sched.microbatches
+    per_direction = sp.sched.microbatches_per_direction
+    data = [MicrobatchData(it, num_microbatches) for it in _as_list(data_iterator, len(sp.chunks))]
+    step = MegatronStep(forward_step_func, sp.chunks, data, config, num_microbatches,
+                        sp.pg_collection.cp.size(), sp.forward_only, first_val_step)
+    stage_cls = MoEOverlapStage if sp.overlap else MegatronStage
+    stages = {
+        (d, s): stage_cls(step, c, d, s == sp.sched.stages - 1, d * per_direction)
+        for c, (d, s) in enumerate(sp.sched.stages_on(sp.rank))
+    }
+    device = next(sp.chunks[0].parameters()).device
+    p2p = P2P(DistTransport(sp.group, list(range(sp.sched.ranks))), sp.rank, device, lambda edge: sp.shapes,
+              config.pipeline_dtype, options.timeout, options.debug_p2p)
+    executor = Executor(sp.sched, sp.rank, stages, p2p, defer_weight_grads=options.defer_weight_grads,
+                        use_overlap_hook=sp.overlap, observer=_tracer(options, sp.group))
+    empty = {d: [() for _ in range(per_direction)] for d in range(sp.sched.directions)}
+    step_data = StepData(inputs=empty, labels=empty, criterion=lambda loss: loss,
+                         return_outputs=False, forward_only=sp.forward_only)
+    with stage_map_active(sp.stage_map), _no_sync(config, len(sp.chunks)):
+        with torch.no_grad() if sp.forward_only else contextlib.nullcontext():
+            executor.run(sp.plan, step_data)
+    options.state.last_stats = executor.stats
+    if sp.overlap:
+        announce_overlap(executor.stats.overlapped, sp.sched.ops[sp.rank])
+    step.finish()
+    return step
+
+
+def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronStep,
+                force_all_reduce: bool | None) -> list:
+    """Sum tied and mirrored grads, let Megatron finalize, and relay the loss reports."""
+    sp, config = step_plan, step_plan.config
+    if not sp.forward_only:
+        sum_tied_embedding_grads(sp.chunks, sp.stage_map, sp.rank)
+        if sp.sched.directions > 1:
+            sum_mirrored_grads(sp.chunks, sp.stage_map, sp.rank, options.state.mirror_group)
+        if config.grad_sync_func is not None:
+            for c, func in enumerate(_as_list(config.grad_sync_func, len(sp.chunks))):
+                func(sp.chunks[c].parameters())
+        if config.finalize_model_grads_func is not None:
+            # Only ranks holding a last stage counted tokens; every rank needs the total.
+            total = step.num_tokens.clone()
+            dist.all_reduce(total, group=sp.group)
+            config.finalize_model_grads_func(
+                sp.chunks, total if config.calculate_per_token_loss else None,
+                pg_collection=sp.pg_collection, force_all_reduce=force_all_reduce,
+            )
+    return _relay_to_last_rank(sp.sched, sp.rank, step, sp.group)
 
 
 def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
     """A function with the keyword signature of Megatron's schedules, running ``options.schedule``."""
     if options.schedule not in SCHEDULES:
         raise ValueError(f"unknown DualPipe schedule {options.schedule!r}; choose from {SCHEDULES}")
-    if options.defer_weight_grads:
-        install_linear_deferral()
-        install_delayed_wgrad_deferral()
+    check_private_symbols()  # Megatron functions we call positionally or that are private
 
     def forward_backward_dualpipe(
         *,
@@ -227,97 +254,25 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
         pg_collection: Any = None,
         force_all_reduce: bool | None = False,
     ) -> list:
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-        config = get_model_config(chunks[0])
-        reasons = unsupported_options(config, forward_only, collect_non_loss_data, adjust_tensor_shapes_fn)
-        if reasons:
-            raise ValueError(f"--pipeline-schedule {options.schedule} does not support: " + "; ".join(reasons))
-        if pg_collection is None:
-            pg_collection = mcore_schedules._build_default_pg_collection()
-        group = pg_collection.pp
-        ranks, rank = group.size(), group.rank()
-        sched, plan = _schedule(options, ranks, num_microbatches, forward_only, rank)
-        stage_map = StageMap.of(sched)
-        if len(chunks) != stage_map.chunks:
-            raise ValueError(
-                f"--pipeline-schedule {options.schedule} needs {stage_map.chunks} model chunks per "
-                f"rank (virtual pipeline size {stage_map.chunks}), got {len(chunks)}"
-            )
-        if config.param_sync_func is not None:
-            for c, func in enumerate(_as_list(config.param_sync_func, len(chunks))):
-                func(chunks[c].parameters())
-
-        per_direction = num_microbatches // sched.directions
-        step = _Step(forward_step_func, chunks, [], config, num_microbatches, pg_collection.cp.size(),
-                     forward_only, first_val_step)
-        stages: dict[tuple[int, int], _MegatronStage] = {}
-        # -- MoE F&B overlap (moe_overlap.py): plan-built stages and the executor's FB hook --
-        from .moe_overlap import MoEOverlapStage, announce_overlap, overlap_enabled
-
-        overlap = overlap_enabled(options.moe_overlap, config, chunks, forward_step_func, forward_only)
-        stage_cls = MoEOverlapStage if overlap else _MegatronStage
-        problems = delayed_wgrad_problems(config, sched, rank, overlap, options.defer_weight_grads,
-                                          forward_only)
-        if problems:
-            raise ValueError(f"--pipeline-schedule {options.schedule}: " + "; ".join(problems))
-        # -- end MoE F&B overlap --
-        views: list[_DirectionView] = []
-        for c, (d, s) in enumerate(sched.stages_on(rank)):
-            it = _as_list(data_iterator, len(chunks))[c]
-            if sched.directions > 1 and it is not None:
-                it = _DirectionView(it, d * per_direction, per_direction, num_microbatches)
-                views.append(it)
-            step.iterators.append(it)
-            stages[(d, s)] = stage_cls(step, c, d, s == sched.stages - 1, d * per_direction)
-
-        shapes = mcore_schedules.get_tensor_shapes(
-            seq_length=seq_length, micro_batch_size=micro_batch_size,
-            decoder_seq_length=decoder_seq_length, config=config, tp_group=pg_collection.tp,
-            cp_group=pg_collection.cp,
+        step_plan = plan_step(
+            options, forward_step_func=forward_step_func, model=model, num_microbatches=num_microbatches,
+            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, pg_collection=pg_collection,
         )
-        device = next(chunks[0].parameters()).device
-        p2p = P2P(DistTransport(group, list(range(ranks))), rank, device, lambda edge: shapes,
-                  config.pipeline_dtype, options.timeout, options.debug_p2p)
-        executor = Executor(sched, rank, stages, p2p, defer_weight_grads=options.defer_weight_grads,
-                            use_overlap_hook=overlap)
-        executor.observer = _tracer(options, group)
-        empty = {d: [() for _ in range(per_direction)] for d in range(sched.directions)}
-        data = StepData(inputs=empty, labels=empty, criterion=lambda loss: loss,
-                        return_outputs=False, forward_only=forward_only)
-
-        if config.timers is not None:
-            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-        with stage_map_active(stage_map), _no_sync(config, len(chunks)):
-            if forward_only:
-                with torch.no_grad():
-                    executor.run(plan, data)
-            else:
-                executor.run(plan, data)
-        options.last_stats = executor.stats
-        if overlap:
-            announce_overlap(executor.stats.overlapped, sched.ops[rank])
-        for view in views:
-            view.finish()
-
-        if not forward_only:
-            sum_tied_embedding_grads(chunks, stage_map, rank)
-            if sched.directions > 1:
-                if options.mirror_group is None:
-                    raise RuntimeError("dualpipe: call prepare_model() once after building the model")
-                sum_mirrored_grads(chunks, stage_map, rank, options.mirror_group)
-            if config.grad_sync_func is not None:
-                for c, func in enumerate(_as_list(config.grad_sync_func, len(chunks))):
-                    func(chunks[c].parameters())
-            if config.finalize_model_grads_func is not None:
-                # Only ranks holding a last stage counted tokens; every rank needs the total.
-                total = step.num_tokens.clone()
-                dist.all_reduce(total, group=group)
-                config.finalize_model_grads_func(
-                    chunks, total if config.calculate_per_token_loss else None,
-                    pg_collection=pg_collection, force_all_reduce=force_all_reduce,
-                )
-        if config.timers is not None:
-            config.timers("forward-backward").stop()
-        return _relay_to_last_rank(sched, rank, step.stores, group)
+        timers = step_plan.config.timers
+        if timers is not None:
+            timers("forward-backward", log_level=1).start(barrier=step_plan.config.barrier_with_L1_time)
+        step = run_step(options, step_plan, forward_step_func, data_iterator, first_val_step)
+        reports = finish_step(options, step_plan, step, force_all_reduce)
+        if timers is not None:
+            timers("forward-backward").stop()
+        return reports
 
     return forward_backward_dualpipe
+
+
+__all__ = [
+    "DualPipeOptions", "DualPipeState", "StepPlan", "finish_step", "make_forward_backward_func", "plan_step",
+    "run_step", "stage_map_for",
+]

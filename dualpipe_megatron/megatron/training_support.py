@@ -1,6 +1,6 @@
 """``--pipeline-schedule`` for ``megatron.training``: the flag, its validation and the hooks.
 
-:func:`install` patches, once and guarded, only these call-time lookups:
+:func:`install` patches, once and guarded, exactly these eight call-time lookups:
 
 - ``arguments.add_megatron_arguments``: adds the flag and our options;
 - ``arguments.validate_args``: checks the schedule first, hides our layout from Megatron's
@@ -12,7 +12,17 @@
   then :func:`prepare_model` (tie, mirror copies) before the optimizer exists;
 - ``training.get_forward_backward_func``: returns our schedule;
 - ``checkpointing.check_checkpoint_args``: refuses an optimizer state saved under another
-  schedule in a layout that cannot move (the distributed optimizer's default format).
+  schedule in a layout that cannot move (the distributed optimizer's default format);
+- ``parallel_state.is_pipeline_first_stage`` and ``parallel_state.is_pipeline_last_stage``
+  (through :func:`install_predicates`): answer for our stage placement while a stage map is
+  active, and as Megatron's own otherwise.
+
+Building the model under our schedules adds, through :func:`prepare_model` (run by the
+``get_model`` hook), the weight-gradient deferral patches of
+``tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.forward``/``backward``
+and ``TransformerLayerNode.backward_dw`` (inert outside a ``B`` with ``w:false``; see
+``wgrad_megatron`` and ``wgrad_te``) and, for ``dualpipe``, replaces the direction-1 chunk's
+own ``sharded_state_dict`` so its copy saves as a replica.
 
 With ``--pipeline-schedule`` unset (or ``1f1b``/``interleaved``) Megatron behaves as it does
 without us.
@@ -26,15 +36,30 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .guard import check_version, patch_attr
+from .guard import PatchSet, check_version
 from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_ranks, prepare_model
-from .predicates import install_predicates, stage_map_active
-from .schedule import SCHEDULES, DualPipeOptions, make_forward_backward_func, stage_map_for
+from .predicates import install_predicates, set_job_stage_map
+from .schedule import DualPipeOptions, make_forward_backward_func
+from .support import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, stage_map_for
 
-CHOICES = ("1f1b", "interleaved", "dualpipe", "dualpipev")
+CHOICES = MEGATRON_SCHEDULES + SCHEDULES
+
+PATCHES = PatchSet("training flag support")
+_INITIALIZE_MODEL_PARALLEL = (
+    "(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, "
+    "virtual_pipeline_model_parallel_size=None, pipeline_model_parallel_comm_backend=None, "
+    "use_sharp=False, context_parallel_size=1, hierarchical_context_parallel_sizes=None, "
+    "hybrid_context_parallel=False, expert_model_parallel_size=1, gtp_remat_size=1, "
+    "expert_gtp_remat_size=1, num_distributed_optimizer_instances=1, "
+    "expert_tensor_parallel_size=None, nccl_communicator_config_path=None, "
+    "distributed_timeout_minutes=30, order='tp-cp-ep-dp-pp', get_embedding_ranks=None, "
+    "get_position_embedding_ranks=None, create_gloo_process_groups=True, "
+    "high_priority_stream_groups=None, sharp_enabled_group=None, rank_offset=0, "
+    "local_world_size=None)"
+)
 
 # The job's schedule options, set by validate_args (one training job per process).
-_state: dict[str, Any] = {"options": None, "stage_map_context": None}
+_state: dict[str, Any] = {"options": None}
 
 
 def active_options() -> DualPipeOptions | None:
@@ -82,12 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _have_transformer_engine() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def _microbatches(args: argparse.Namespace) -> int | None:
     if args.global_batch_size is None or args.micro_batch_size is None:
         return None
@@ -96,34 +115,11 @@ def _microbatches(args: argparse.Namespace) -> int | None:
 
 def pre_validate(args: argparse.Namespace) -> None:
     """Reject what our schedules cannot run before Megatron's checks, which assume looped placement."""
-    schedule = args.pipeline_schedule
-    if schedule in (None, "1f1b", "interleaved"):
+    if args.pipeline_schedule not in SCHEDULES:
         return
-    for name in ("pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage",
-                 "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers"):
-        if getattr(args, name, None) is not None:
-            raise ValueError(
-                f"--pipeline-schedule {schedule} places stages itself; drop --{name.replace('_', '-')} "
-                f"(use --dualpipe-layout for uneven layers per stage)")
-    for name, why in (("mtp_num_layers", "MTP is not wired for V-shaped chunks yet"),
-                      ("use_megatron_fsdp", "FSDP with our chunks is untested"),
-                      ("use_torch_fsdp2", "FSDP with our chunks is untested")):
-        if getattr(args, name, None):
-            raise ValueError(f"--pipeline-schedule {schedule} does not support --{name.replace('_', '-')}: {why}")
-    if getattr(args, "overlap_moe_expert_parallel_comm", False) and not getattr(args, "dualpipe_moe_overlap",
-                                                                                   True):
-        raise ValueError("--overlap-moe-expert-parallel-comm asks for the EP all-to-all overlap, which "
-                         "--no-dualpipe-moe-overlap turns off; drop one of them")
-    if (getattr(args, "fp8", None) or getattr(args, "fp4", None)) and not _have_transformer_engine():
-        raise ValueError(
-            f"--pipeline-schedule {schedule} with FP8/FP4 needs Transformer Engine, which is not "
-            f"installed: Megatron runs low-precision GEMMs only through TE layers "
-            f"(--transformer-impl transformer_engine)")
-    if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
-        raise ValueError(f"--pipeline-schedule {schedule} does not support full-iteration CUDA graphs")
-    check_configuration(schedule, args.pipeline_model_parallel_size, None, args.num_layers,
-                        args.dualpipe_layout)
+    problems = argument_problems(args)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def post_validate(args: argparse.Namespace) -> None:
@@ -164,12 +160,10 @@ def _initialize_model_parallel(original: Callable, *args: Any, **kwargs: Any) ->
 
 
 def activate_job_stage_map(options: DualPipeOptions, pipeline_size: int):
-    """The job's stage map, made the stage predicates' answer for the rest of the job on first
-    use (before the first chunk is built)."""
+    """The job's stage map, made the stage predicates' answer between steps too (model building,
+    data loading, logging); each step also enters it around its own ops."""
     stage_map = stage_map_for(options.schedule, pipeline_size)
-    if _state["stage_map_context"] is None:
-        _state["stage_map_context"] = stage_map_active(stage_map)
-        _state["stage_map_context"].__enter__()
+    set_job_stage_map(stage_map)
     return stage_map
 
 
@@ -245,20 +239,29 @@ def install() -> None:
 
     install_predicates()
     original_add = arguments.add_megatron_arguments
-    patch_attr(arguments, "add_megatron_arguments",
-               functools.wraps(original_add)(lambda parser: add_arguments(original_add(parser))),
-               ["parser"])
-    for owner, name, hook, params in (
-        (arguments, "validate_args", _validate_args, ["args", "defaults"]),
+    PATCHES.patch(arguments, "add_megatron_arguments",
+                  functools.wraps(original_add)(lambda parser: add_arguments(original_add(parser))),
+                  "(parser)")
+    for owner, name, hook, signature in (
+        (arguments, "validate_args", _validate_args, "(args, defaults={})"),
         (parallel_state, "initialize_model_parallel", _initialize_model_parallel,
-         ["tensor_model_parallel_size", "pipeline_model_parallel_size"]),
-        (training, "get_model", _get_model, ["model_provider_func", "model_type"]),
-        (training, "get_forward_backward_func", _get_forward_backward_func, []),
-        (checkpointing, "check_checkpoint_args", _check_checkpoint_args, ["checkpoint_args"]),
+         _INITIALIZE_MODEL_PARALLEL),
+        (training, "get_model", _get_model,
+         "(model_provider_func, model_type=<ModelType.encoder_or_decoder: 1>, wrap_with_ddp=True, "
+         "config=None, pg_collection=None)"),
+        (training, "get_forward_backward_func", _get_forward_backward_func,
+         "(pp_size=None, vp_size=None, schedule_pg_collection=None)"),
+        (checkpointing, "check_checkpoint_args", _check_checkpoint_args,
+         "(checkpoint_args, skip_args=None)"),
     ):
-        patch_attr(owner, name, _bind(getattr(owner, name), hook), params)
+        PATCHES.patch(owner, name, _bind(getattr(owner, name), hook), signature)
 
 
-__all__ = ["CHOICES", "activate_job_stage_map", "active_options", "add_arguments",
+def uninstall() -> None:
+    """Undo :func:`install`'s ``megatron.training`` patches (the stage predicates stay)."""
+    PATCHES.restore()
+
+
+__all__ = ["CHOICES", "PATCHES", "activate_job_stage_map", "active_options", "add_arguments",
            "check_checkpoint_schedule", "install", "pipeline_position", "post_validate",
-           "pre_validate"]
+           "pre_validate", "uninstall"]

@@ -21,8 +21,12 @@ from typing import Any, Callable
 import torch
 
 from ..runtime.wgrad import WeightGradStore
-from .guard import patch_attr
+from .guard import PatchSet, check_version
 
+PATCHES = PatchSet("linear weight-grad deferral")
+# The full signature pins the ten inputs ``_backward`` returns a grad (or None) for.
+_FORWARD = ("(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, "
+            "sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size)")
 _original: dict[str, Callable] = {}
 _zeros: dict[tuple, torch.Tensor] = {}
 
@@ -107,11 +111,21 @@ def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
 
 def install_linear_deferral() -> None:
     """Patch the linear autograd function's forward and backward (once; guarded like every patch)."""
+    check_version()
     from megatron.core.tensor_parallel import layers
 
     owner = layers.LinearWithGradAccumulationAndAsyncCommunication
     forward, backward = owner.forward, owner.backward
-    if patch_attr(owner, "forward", staticmethod(_forward), ["ctx", "input", "weight"]):
+    if PATCHES.patch(owner, "forward", _forward, _FORWARD):
         _original["forward"] = forward
-    if patch_attr(owner, "backward", staticmethod(layers.custom_bwd(_backward)), ["ctx", "grad_output"]):
+    if PATCHES.patch(owner, "backward", layers.custom_bwd(_backward), "(ctx, grad_output)"):
         _original["backward"] = backward
+
+
+def uninstall_linear_deferral() -> None:
+    """Put Megatron's own forward and backward back."""
+    PATCHES.restore()
+    _original.clear()
+
+
+__all__ = ["PATCHES", "install_linear_deferral", "uninstall_linear_deferral"]

@@ -8,7 +8,8 @@ while the runtime's :class:`WeightGradStore` is enabled (a ``B`` with ``w:false`
 ``backward_dw`` is filed for the schedule's ``W`` instead of running. The slot's post-backward
 hook, which Megatron fires after ``backward_dw`` in this mode, moves with it.
 
-Two conditions keep this exact, both checked by :func:`delayed_wgrad_problems`:
+Two conditions keep this exact, both checked by
+:func:`dualpipe_megatron.megatron.support.delayed_wgrad_problems`:
 
 - every backward must go through a plan (our MoE F&B overlap on), since a plain autograd
   backward of a TE layer would leave its weight GEMM queued with nobody to pop it;
@@ -28,8 +29,9 @@ from typing import Any, Callable
 from ..runtime.wgrad import WeightGradStore
 from ..schedules import B, Schedule, W
 from ..schedules.ir import halves
-from .guard import patch_attr
+from .guard import PatchSet, check_version
 
+PATCHES = PatchSet("delayed-wgrad deferral")
 _original: dict[str, Callable] = {}
 
 
@@ -42,11 +44,18 @@ def _backward_dw(node: Any) -> None:
 
 def install_delayed_wgrad_deferral() -> None:
     """Patch ``TransformerLayerNode.backward_dw`` (once; guarded like every patch)."""
+    check_version()
     from megatron.core.models.common.utils import TransformerLayerNode
 
     original = TransformerLayerNode.backward_dw
-    if patch_attr(TransformerLayerNode, "backward_dw", _backward_dw, ["self"]):
+    if PATCHES.patch(TransformerLayerNode, "backward_dw", _backward_dw, "(self)"):
         _original["backward_dw"] = original
+
+
+def uninstall_delayed_wgrad_deferral() -> None:
+    """Put Megatron's own ``backward_dw`` back."""
+    PATCHES.restore()
+    _original.clear()
 
 
 def fifo_order_violations(sched: Schedule, rank: int) -> list[str]:
@@ -69,16 +78,5 @@ def fifo_order_violations(sched: Schedule, rank: int) -> list[str]:
     return problems
 
 
-def delayed_wgrad_problems(config: Any, sched: Schedule, rank: int, overlap: bool, deferring: bool,
-                           forward_only: bool) -> list[str]:
-    """Why this step cannot run with ``config.delay_wgrad_compute`` (empty: it can, or it is off)."""
-    if not getattr(config, "delay_wgrad_compute", False) or forward_only:
-        return []
-    if not overlap:
-        return ["delay_wgrad_compute needs the MoE F&B overlap (every backward through Megatron's "
-                "schedule plans, which call backward_dw); it is off for this model or by "
-                "--no-dualpipe-moe-overlap"]
-    return fifo_order_violations(sched, rank)[:3] if deferring else []
-
-
-__all__ = ["delayed_wgrad_problems", "fifo_order_violations", "install_delayed_wgrad_deferral"]
+__all__ = ["PATCHES", "fifo_order_violations",
+           "install_delayed_wgrad_deferral", "uninstall_delayed_wgrad_deferral"]

@@ -20,7 +20,7 @@ from torch import nn
 from ..schedules.ir import B, F, Key, Schedule, W
 from .p2p import P2P
 from .plan import ACT, GRAD, Message, MessagePlan
-from .wgrad import WeightGradStore, deferring, run_backward
+from .wgrad import DeferredWeightGrads, deferring, run_backward
 
 Half = F | B | W
 
@@ -91,6 +91,11 @@ def has_overlap_hook(module0: nn.Module, module1: nn.Module) -> bool:
     return type(module0) is type(module1) and hasattr(type(module0), "overlapped_forward_backward")
 
 
+def _key_kwarg(module: Any, name: str, key: Key) -> dict[str, Key]:
+    """Stages whose class sets ``takes_key`` get the op's key (e.g. to read that micro-batch's data)."""
+    return {name: key} if getattr(type(module), "takes_key", False) else {}
+
+
 def _describe(index: int, parts: Sequence[Half]) -> str:
     body = ", ".join(str(h) for h in parts)
     return f"op #{index} {body if len(parts) == 1 else f'FB[{body}]'} (micro-batch {parts[0].key.m})"
@@ -123,6 +128,7 @@ class Executor:
         self.recv_lookahead = recv_lookahead
         self.observer = observer
         self.stats = StepStats()
+        self.wgrad_store = DeferredWeightGrads()
 
     # -- the loop --------------------------------------------------------------
     def run(self, plan: MessagePlan, data: StepData) -> StepResult:
@@ -154,15 +160,16 @@ class Executor:
 
     def _run_op(self, plan: MessagePlan, n: int, index: int, parts: tuple[Half, ...]) -> None:
         where = _describe(index, parts)
-        if len(parts) == 2 and self._hooked(parts[0], parts[1]):
-            self._overlapped(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
-        else:
-            for half, needs, sends in zip(parts, plan.recvs[n], plan.sends[n]):
-                self._receive(needs, where)
-                self._send(sends, *self._run_half(half), where)
+        with self.wgrad_store.activated():
+            if len(parts) == 2 and self._hooked(parts[0], parts[1]):
+                self._overlapped(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
+            else:
+                for half, needs, sends in zip(parts, plan.recvs[n], plan.sends[n]):
+                    self._receive(needs, where)
+                    self._send(sends, *self._run_half(half), where)
 
     def _start(self, data: StepData) -> None:
-        WeightGradStore.clear()
+        self.wgrad_store.clear()
         self.data = data
         self.training = not data.forward_only
         self.stats = StepStats()
@@ -179,7 +186,7 @@ class Executor:
         leftovers = {
             "received": self._arrived, "inputs": self._inputs, "outputs": self._outputs,
             "hand-offs": self._handoff, "local grads": self._local_grads, "losses": self._loss_graph,
-            "live": self._live, "deferred weight grads": WeightGradStore.pending(),
+            "live": self._live, "deferred weight grads": self.wgrad_store.pending(),
         }
         left = {name: sorted(map(str, items)) for name, items in leftovers.items() if items}
         if left:
@@ -217,7 +224,7 @@ class Executor:
         """Run one F/B/W; return what it sends (if anything) and which of that to free once sent."""
         if isinstance(half, F):
             module, inputs, criterion, labels = self._forward_begin(half.key)
-            outputs = as_list(module(*inputs))
+            outputs = as_list(module(*inputs, **_key_kwarg(module, "key", half.key)))
             loss = criterion(*outputs, *labels) if criterion is not None else None
             return self._forward_end(half.key, inputs, outputs, loss)
         if isinstance(half, B):
@@ -229,7 +236,7 @@ class Executor:
                     run_backward(outputs, grads)
             return self._backward_end(half)
         if self.defer:
-            self.stats.deferred += WeightGradStore.pop(half.key)
+            self.stats.deferred += self.wgrad_store.pop(half.key)
         self._live.discard(half.key)
         self.stats.live = len(self._live)
         return None, []
@@ -247,6 +254,7 @@ class Executor:
         with deferring(b.key, enabled=self.defer and not b.w):
             outputs0, loss0 = type(module0).overlapped_forward_backward(
                 module0, inputs0, criterion0, list(labels0), module1, loss1, outputs1, grads1,
+                **_key_kwarg(module0, "key0", f.key),
             )
         self._send(sends[0], *self._forward_end(f.key, inputs0, as_list(outputs0), loss0), where)
         self._send(sends[1], *self._backward_end(b), where)

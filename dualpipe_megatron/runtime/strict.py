@@ -124,9 +124,10 @@ class StepRecorder:
     def _exchange(self, timeout: float) -> dict[int, dict[str, Any]]:
         store = dist.distributed_c10d._get_default_store()
         me = self.log.rank
-        store.set(f"{_KEY}/{self.step}/{me}", json.dumps(self.log.to_json_obj()))
-        logs: dict[int, dict[str, Any]] = {}
-        needed = set(self.log.pipeline) | {me}
+        mine = self.log.to_json_obj()
+        store.set(f"{_KEY}/{self.step}/{me}", json.dumps(mine))
+        logs: dict[int, dict[str, Any]] = {me: mine}
+        needed = set(self.log.pipeline) | {m for e in self.log.events if e.get("post") == "coll" for m in e["members"]}
         while needed - logs.keys():
             missing = sorted(needed - logs.keys())
             keys = [f"{_KEY}/{self.step}/{r}" for r in missing]

@@ -1,0 +1,160 @@
+"""The one place that says whether a Megatron configuration can run under our schedules.
+
+Every check the adapter makes lives here, grouped by when its inputs are known:
+command-line arguments (:func:`argument_problems`, before Megatron's own checks,
+which assume looped placement), the pipeline shape (:func:`configuration_problems`,
+whose schedule rules come from the generators themselves), a step's call
+(:func:`step_problems`), whether an MoE model can overlap F&B pairs
+(:func:`overlap_blockers`) and Megatron's delayed weight gradients
+(:func:`delayed_wgrad_problems`). Each returns the reasons, empty when supported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+from ..schedules import Schedule, ScheduleError, build_schedule
+from .topology import StageMap, stage_layer_types
+
+# Our schedules, registered once: the flag's choices, the options and the checks all read this.
+SCHEDULES = ("dualpipev", "dualpipe")
+MEGATRON_SCHEDULES = ("1f1b", "interleaved")
+
+
+def stage_map_for(schedule: str, ranks: int) -> StageMap:
+    """Placement of model stages on (rank, chunk); independent of the micro-batch count."""
+    return StageMap.of(build_schedule(schedule, ranks, 2 * ranks))
+
+
+def configuration_problems(schedule: str, pipeline_size: int, num_microbatches: int | None,
+                           num_layers: int, layout: str | list | None = None) -> list[str]:
+    """Why ``schedule`` cannot run this pipeline (the generators' own rules, then the layout)."""
+    if schedule not in SCHEDULES:
+        return [f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}"]
+    if pipeline_size < 2:
+        return [f"--pipeline-schedule {schedule} needs pipeline-model-parallel size >= 2"]
+    microbatches = num_microbatches if num_microbatches is not None else 2 * pipeline_size
+    try:
+        build_schedule(schedule, pipeline_size, microbatches)
+    except ScheduleError as exc:
+        shape = f"pipeline-model-parallel size {pipeline_size}" + (
+            f", {num_microbatches} micro-batches per step" if num_microbatches is not None else "")
+        hint = ("; raise --global-batch-size or lower --micro-batch-size"
+                if num_microbatches is not None and num_microbatches < 2 * pipeline_size else "")
+        return [f"--pipeline-schedule {schedule} ({shape}): {exc}{hint}"]
+    try:
+        stage_layer_types(num_layers, stage_map_for(schedule, pipeline_size).num_stages, layout)
+    except ScheduleError as exc:
+        return [f"--pipeline-schedule {schedule}: {exc}"]
+    return []
+
+
+def _have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def argument_problems(args: Any) -> list[str]:
+    """Why Megatron's parsed ``args`` cannot run under ``args.pipeline_schedule`` (one of ours)."""
+    schedule = args.pipeline_schedule
+    problems = []
+    for name in ("pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage",
+                 "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers"):
+        if getattr(args, name, None) is not None:
+            problems.append(f"--pipeline-schedule {schedule} places stages itself; drop "
+                            f"--{name.replace('_', '-')} (use --dualpipe-layout for uneven layers per stage)")
+    for name, why in (("mtp_num_layers", "MTP is not wired for V-shaped chunks yet"),
+                      ("use_megatron_fsdp", "FSDP with our chunks is untested"),
+                      ("use_torch_fsdp2", "FSDP with our chunks is untested")):
+        if getattr(args, name, None):
+            problems.append(f"--pipeline-schedule {schedule} does not support --{name.replace('_', '-')}: {why}")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False) and not getattr(args, "dualpipe_moe_overlap", True):
+        problems.append("--overlap-moe-expert-parallel-comm asks for the EP all-to-all overlap, which "
+                        "--no-dualpipe-moe-overlap turns off; drop one of them")
+    if (getattr(args, "fp8", None) or getattr(args, "fp4", None)) and not _have_transformer_engine():
+        problems.append(f"--pipeline-schedule {schedule} with FP8/FP4 needs Transformer Engine, which is not "
+                        f"installed: Megatron runs low-precision GEMMs only through TE layers "
+                        f"(--transformer-impl transformer_engine)")
+    if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
+        problems.append(f"--pipeline-schedule {schedule} does not support full-iteration CUDA graphs")
+    return problems + configuration_problems(schedule, args.pipeline_model_parallel_size, None, args.num_layers,
+                                             getattr(args, "dualpipe_layout", None))
+
+
+def step_problems(config: Any, collect_non_loss_data: bool, adjust_tensor_shapes_fn: Callable | None) -> list[str]:
+    """Megatron options of one ``forward_backward_func`` call our schedules do not run yet."""
+    reasons = []
+    if config.variable_seq_lengths:
+        reasons.append("variable_seq_lengths (p2p shapes must be fixed)")
+    if getattr(config, "mtp_num_layers", None):
+        reasons.append("multi-token prediction (MTP placement on V-shaped chunks is not wired)")
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        reasons.append("defer_embedding_wgrad_compute")
+    if collect_non_loss_data:
+        reasons.append("collect_non_loss_data")
+    if adjust_tensor_shapes_fn is not None:
+        reasons.append("adjust_tensor_shapes_fn")
+    return reasons
+
+
+def _accepts_schedule_plan(func: Callable) -> bool:
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+    return "return_schedule_plan" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def overlap_blockers(config: Any, chunks: Sequence[nn.Module], forward_step_func: Callable) -> list[str]:
+    """Why the MoE F&B overlap cannot run for this model (empty: it can)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    reasons = []
+    if not getattr(config, "num_moe_experts", None):
+        reasons.append("dense model (no MoE layers)")
+    if (getattr(config, "expert_model_parallel_size", 1) or 1) <= 1:
+        reasons.append("expert-model-parallel size 1 (no all-to-all to hide)")
+    if getattr(config, "moe_token_dispatcher_type", None) not in ("alltoall", "flex"):
+        reasons.append(f"token dispatcher {getattr(config, 'moe_token_dispatcher_type', None)!r} "
+                       f"(needs alltoall or flex)")
+    if getattr(config, "recompute_granularity", None) == "full" or getattr(config, "recompute_method", None):
+        reasons.append("full activation recomputation")
+    if "moe" in (getattr(config, "recompute_modules", None) or []):
+        reasons.append("recompute of the moe module")
+    if getattr(config, "moe_shared_expert_overlap", False):
+        reasons.append("moe_shared_expert_overlap")
+    for chunk in chunks:
+        try:
+            get_attr_wrapped_model(chunk, "build_schedule_plan", return_model_obj=True)
+        except RuntimeError:
+            reasons.append(f"{type(chunk).__name__} has no build_schedule_plan")
+            break
+    if not reasons and not _accepts_schedule_plan(forward_step_func):
+        reasons.append("forward_step_func does not accept return_schedule_plan=True "
+                       "(return model.build_schedule_plan(...) then, as Megatron's pretrain_gpt does)")
+    return reasons
+
+
+def delayed_wgrad_problems(config: Any, sched: Schedule, rank: int, overlap: bool, deferring: bool,
+                           forward_only: bool) -> list[str]:
+    """Why this step cannot run with ``config.delay_wgrad_compute`` (empty: it can, or it is off)."""
+    from .wgrad_te import fifo_order_violations
+
+    if not getattr(config, "delay_wgrad_compute", False) or forward_only:
+        return []
+    if not overlap:
+        return ["delay_wgrad_compute needs the MoE F&B overlap (every backward through Megatron's "
+                "schedule plans, which call backward_dw); it is off for this model or by "
+                "--no-dualpipe-moe-overlap"]
+    return fifo_order_violations(sched, rank)[:3] if deferring else []
+
+
+__all__ = [
+    "MEGATRON_SCHEDULES", "SCHEDULES", "argument_problems", "configuration_problems", "delayed_wgrad_problems",
+    "overlap_blockers", "stage_map_for", "step_problems",
+]

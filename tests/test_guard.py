@@ -1,0 +1,201 @@
+"""The patch guard: exact restores, refusals on drift, one patch set per subsystem."""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from dualpipe_megatron.megatron import cpu_compat, guard, training_support, wgrad_megatron, wgrad_te
+from dualpipe_megatron.megatron.guard import PatchSet
+from dualpipe_megatron.megatron.model import (
+    MIRROR_REPLICAS, save_mirror_copies_as_replicas, uninstall_mirror_replicas,
+)
+
+
+class _Target:
+    @staticmethod
+    def static(x: int) -> int:
+        return x
+
+    @classmethod
+    def klass(cls, x: int) -> tuple[type, int]:
+        return cls, x
+
+    def method(self, a: int, b: int = 1) -> int:
+        return a + b
+
+
+@pytest.fixture
+def patches() -> Iterator[PatchSet]:
+    patch_set = PatchSet("test")
+    yield patch_set
+    patch_set.restore()
+
+
+def test_staticmethod_and_classmethod_restore_exactly(patches: PatchSet) -> None:
+    before = {name: inspect.getattr_static(_Target, name) for name in ("static", "klass")}
+    assert patches.patch(_Target, "static", lambda x: -x, "(x)")
+    assert patches.patch(_Target, "klass", lambda cls, x: (cls, -x), "(x)")
+    assert isinstance(inspect.getattr_static(_Target, "static"), staticmethod)
+    assert isinstance(inspect.getattr_static(_Target, "klass"), classmethod)
+    assert _Target.static(2) == _Target().static(2) == -2
+    assert _Target.klass(2) == _Target().klass(2) == (_Target, -2)
+
+    patches.restore()
+    for name, value in before.items():
+        assert inspect.getattr_static(_Target, name) is value
+    assert not guard.is_patched(_Target, "static")
+
+
+def test_descriptor_kind_must_match(patches: PatchSet) -> None:
+    with pytest.raises(RuntimeError, match="a classmethod cannot replace a staticmethod"):
+        patches.patch(_Target, "static", classmethod(lambda cls, x: x))
+    assert not patches.is_patched(_Target, "static")
+
+
+def test_megatron_linear_forward_stays_a_staticmethod() -> None:
+    from megatron.core.tensor_parallel.layers import \
+        LinearWithGradAccumulationAndAsyncCommunication as Linear
+
+    before = {name: inspect.getattr_static(Linear, name) for name in ("forward", "backward")}
+    wgrad_megatron.install_linear_deferral()
+    try:
+        for name in before:
+            assert isinstance(inspect.getattr_static(Linear, name), staticmethod)
+            assert inspect.getattr_static(Linear, name) is not before[name]
+    finally:
+        wgrad_megatron.uninstall_linear_deferral()
+    for name, value in before.items():
+        assert inspect.getattr_static(Linear, name) is value
+
+
+def test_wrong_signature_is_refused_and_nothing_patched(patches: PatchSet) -> None:
+    original = inspect.getattr_static(_Target, "method")
+    with pytest.raises(RuntimeError) as info:
+        patches.patch(_Target, "method", lambda self, a, b=2: 0, "(self, a, b=2)")
+    message = str(info.value)
+    assert "test_guard._Target.method" in message
+    assert "expected signature (self, a, b=2), found (self, a, b=1)" in message
+    assert "megatron-core 0.19.x" in message
+    assert inspect.getattr_static(_Target, "method") is original
+    assert not guard.is_patched(_Target, "method")
+
+
+def test_wrong_megatron_signature_names_symbol_and_versions(patches: PatchSet) -> None:
+    from megatron.core.models.common.utils import TransformerLayerNode
+
+    original = inspect.getattr_static(TransformerLayerNode, "backward_dw")
+    with pytest.raises(RuntimeError, match=r"common\.utils\.TransformerLayerNode\.backward_dw: "
+                                           r"expected signature \(self, extra\), found \(self\); "
+                                           r"dualpipe_megatron supports megatron-core 0\.19\.x"):
+        patches.patch(TransformerLayerNode, "backward_dw", lambda self, extra: None, "(self, extra)")
+    assert inspect.getattr_static(TransformerLayerNode, "backward_dw") is original
+
+
+def test_a_symbol_belongs_to_one_subsystem(patches: PatchSet) -> None:
+    other = PatchSet("other")
+    try:
+        assert other.patch(_Target, "method", lambda self, a, b=1: 0, "(self, a, b=1)")
+        with pytest.raises(RuntimeError, match="other patched it"):
+            patches.patch(_Target, "method", lambda self, a, b=1: 1, "(self, a, b=1)")
+    finally:
+        other.restore()
+    assert _Target().method(1) == 2
+
+
+def test_private_symbols() -> None:
+    guard.check_private_symbols()  # the real table matches the installed megatron-core
+    module = "megatron.core.pipeline_parallel.schedules"
+    with pytest.raises(RuntimeError, match=r"_build_default_pg_collection: expected signature "
+                                           r"\(pg=None\), found \(\); .*0\.19\.x"):
+        guard.check_private_symbols([(module, "_build_default_pg_collection", "(pg=None)")])
+    with pytest.raises(RuntimeError, match="_no_such_helper: symbol not found"):
+        guard.check_private_symbols([(module, "_no_such_helper", "()")])
+
+
+@pytest.fixture
+def subsystems() -> Iterator[None]:
+    """Every subsystem installed; all restored afterwards, whatever the test undid."""
+    cpu_compat.install_cpu_compat(force=True)
+    training_support.install()
+    wgrad_megatron.install_linear_deferral()
+    wgrad_te.install_delayed_wgrad_deferral()
+    yield
+    cpu_compat.uninstall_cpu_compat()
+    training_support.uninstall()
+    wgrad_megatron.uninstall_linear_deferral()
+    wgrad_te.uninstall_delayed_wgrad_deferral()
+
+
+def _samples() -> dict[str, tuple[PatchSet, object, str]]:
+    """One patched symbol per subsystem: (its patch set, owner, name)."""
+    from megatron.core.models.common.utils import TransformerLayerNode
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
+    from megatron.training import training
+
+    return {
+        "cpu compat": (cpu_compat.PATCHES, torch.cuda, "current_device"),
+        "training": (training_support.PATCHES, training, "get_model"),
+        "linear": (wgrad_megatron.PATCHES, LinearWithGradAccumulationAndAsyncCommunication,
+                   "backward"),
+        "delayed": (wgrad_te.PATCHES, TransformerLayerNode, "backward_dw"),
+    }
+
+
+def _state() -> dict[str, object]:
+    return {key: inspect.getattr_static(owner, name)
+            for key, (_, owner, name) in _samples().items()}
+
+
+def test_uninstalling_one_subsystem_leaves_the_others(subsystems: None) -> None:
+    installed = _state()
+    for key, uninstall in (("cpu compat", cpu_compat.uninstall_cpu_compat),
+                           ("linear", wgrad_megatron.uninstall_linear_deferral)):
+        uninstall()
+        now = _state()
+        assert now[key] is not installed[key]
+        patch_set, owner, name = _samples()[key]
+        assert not patch_set.is_patched(owner, name) and not guard.is_patched(owner, name)
+        del installed[key]
+        assert {k: now[k] for k in installed} == installed, f"uninstalling {key} undid others"
+    for patch_set, owner, name in (_samples()[k] for k in installed):
+        assert patch_set.is_patched(owner, name)
+
+
+def test_installs_are_idempotent(subsystems: None) -> None:
+    installed = _state()
+    cpu_compat.install_cpu_compat(force=True)
+    training_support.install()
+    wgrad_megatron.install_linear_deferral()
+    wgrad_te.install_delayed_wgrad_deferral()
+    assert _state() == installed
+    wgrad_te.uninstall_delayed_wgrad_deferral()
+    before = _state()["delayed"]
+    wgrad_te.uninstall_delayed_wgrad_deferral()  # a second uninstall is a no-op too
+    assert _state()["delayed"] is before
+
+
+class _Chunk(nn.Module):
+    """Stands in for a model chunk: Megatron's ``sharded_state_dict`` signature."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        return {"weight": types.SimpleNamespace(replica_id=(0, 0, 0)), "step": 3}
+
+
+def test_mirror_replicas_patch_once_and_restore() -> None:
+    chunk = _Chunk()
+    try:
+        save_mirror_copies_as_replicas(chunk)
+        save_mirror_copies_as_replicas(chunk)  # once: a second call must not add another replica
+        assert chunk.sharded_state_dict()["weight"].replica_id == (1, 0, 0)
+        assert MIRROR_REPLICAS.is_patched(chunk, "sharded_state_dict")
+    finally:
+        uninstall_mirror_replicas()
+    assert "sharded_state_dict" not in vars(chunk)
+    assert chunk.sharded_state_dict()["weight"].replica_id == (0, 0, 0)
