@@ -1,4 +1,4 @@
-"""An independent reading of shared/design/schedule_format.md, used only by tests.
+"""An independent reading of docs/schedule_format.md, used only by tests.
 
 It checks a schedule's JSON without the package's validator, so a bug shared
 by a generator and the validator cannot hide.

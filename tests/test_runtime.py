@@ -172,17 +172,24 @@ def test_bad_calls_fail_before_communicating(world: int) -> None:
         assert fragment in messages[name], f"{name}: {messages[name]!r}"
 
 
+def _assert_peers_raised(results: list, failed: int, limit: float) -> list[str]:
+    """Every rank but ``failed`` raised PipelineCommError naming itself and a peer within ``limit`` s."""
+    messages = []
+    for rank, got in enumerate(results):
+        if rank == failed:
+            continue
+        assert got["error"] == "PipelineCommError", f"rank {rank}: {got}"
+        assert got["elapsed"] <= limit, f"rank {rank} took {got['elapsed']:.1f}s"
+        assert f"pipeline rank {rank}:" in got["message"] and "peer rank" in got["message"], got["message"]
+        messages.append(got["message"])
+    return messages
+
+
 def test_failed_rank_makes_every_other_rank_raise() -> None:
     timeout = 3.0
     results = rw.launch(4, rw.failing_step, 1, timeout, timeout=timeout + 60)
     assert results[1]["error"] == "RuntimeError" and "injected failure" in results[1]["message"]
-    for rank, got in enumerate(results):
-        if rank == 1:
-            continue
-        assert got["error"] == "PipelineCommError", f"rank {rank}: {got}"
-        assert got["elapsed"] <= timeout + 30, f"rank {rank} took {got['elapsed']:.1f}s"
-        message = got["message"]
-        assert f"pipeline rank {rank}:" in message and "peer rank" in message
+    for message in _assert_peers_raised(results, 1, timeout + 30):
         assert "op #" in message and "micro-batch" in message, message
 
 
@@ -198,10 +205,4 @@ def test_killed_rank_makes_every_other_rank_raise() -> None:
     timeout = 4.0
     results = rw.launch(4, rw.failing_step, 1, timeout, rw.KillingBlock, timeout=timeout + 50, may_vanish={1})
     assert results[1] is None, f"the killed rank reported {results[1]}"
-    for rank, got in enumerate(results):
-        if rank == 1:
-            continue
-        assert got["error"] == "PipelineCommError", f"rank {rank}: {got}"
-        assert got["elapsed"] <= timeout + 20, f"rank {rank} took {got['elapsed']:.1f}s"
-        message = got["message"]
-        assert f"pipeline rank {rank}:" in message and "peer rank" in message, message
+    _assert_peers_raised(results, 1, timeout + 20)

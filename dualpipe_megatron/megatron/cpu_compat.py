@@ -3,7 +3,7 @@
 Megatron assumes CUDA everywhere (current device, streams, CUDA RNG, `device="cuda"`
 literals, CUDA type strings). Without a GPU we replace exactly those symbols, at module
 level, in this process only (patches do not survive `spawn`: call this in every rank before
-building models). See `shared/design/megatron_cpu.md` for why each group exists.
+building models). See `docs/megatron_cpu.md` for why each group exists.
 
 Groups can be switched off for diagnosis with ``DUALPIPE_CPU_COMPAT_DISABLE=rng,streams``
 (or ``all``) or by passing `groups`.

@@ -104,8 +104,11 @@ def _describe(index: int, parts: Sequence[Half]) -> str:
 class Executor:
     """Executes the plan of one rank with its stage modules ``chunks[(d, s)]``.
 
-    Receives for the next ``recv_lookahead`` ops are posted before each op, so
-    their transfers overlap compute; each costs one p2p buffer held early.
+    Receives the next ``recv_lookahead`` ops need are posted before each op, as
+    far as the plan's message order allows, so their transfers overlap compute;
+    each costs one p2p buffer held early. A chunk class that sets ``takes_key``
+    is called with the op's key (``key=``; ``key0=`` for the F half of the F&B
+    hook). The executor owns its weight-grad store (``wgrad_store``).
     """
 
     def __init__(

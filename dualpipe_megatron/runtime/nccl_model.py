@@ -2,7 +2,7 @@
 
 gloo buffers sends and has no per-pair queue, so a posting order that passes CPU tests can hang
 on NCCL. This model replays, per rank, the exact sequence of communication calls its host made
-against the rules in ``shared/design/nccl_p2p.md``: one FIFO queue per communicator and rank
+against the rules in ``docs/nccl.md``: one FIFO queue per communicator and rank
 (a rank pair's communicator for unbatched ops, the process group's for batches and
 collectives), rendezvous sends (zero buffering), matching by order, independent ops inside a
 batch except same-peer same-direction order, blocking host waits, and the host-side

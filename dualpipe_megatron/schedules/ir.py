@@ -2,7 +2,7 @@
 
 A schedule is plain data. Generators build it, the validator checks it, the
 simulator times it, the drawer plots it and the runtime executes it; the JSON
-form is the public contract in ``shared/design/schedule_format.md``.
+form is the public contract in ``docs/schedule_format.md``.
 """
 
 from __future__ import annotations
