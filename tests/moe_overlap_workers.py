@@ -230,13 +230,13 @@ def main(out_path: str) -> None:
     hook = moe_overlap.MoEOverlapStage.overlapped_forward_backward
     lone = moe_overlap.MoEOverlapStage.__call__
 
-    def counting_hook(*args):
+    def counting_hook(*args, **kwargs):
         calls["fb"] += 1
-        return hook(*args)
+        return hook(*args, **kwargs)
 
-    def counting_call(self, *inputs):
+    def counting_call(self, *inputs, **kwargs):
         calls["f"] += 1
-        return lone(self, *inputs)
+        return lone(self, *inputs, **kwargs)
 
     moe_overlap.MoEOverlapStage.overlapped_forward_backward = staticmethod(counting_hook)
     moe_overlap.MoEOverlapStage.__call__ = counting_call

@@ -360,7 +360,8 @@ class P2P:
                 [_KIND_CODE[msg.kind], k.d, k.s, k.m, len(payload)], dtype=torch.int64, device=self.device
             )
             works.append(self._isend(header, dst, f"header of {what}"))
-        works += [self._isend(t, dst, what) for t in payload]
+            payload = [header] + payload  # held with the rest until the send completes
+        works += [self._isend(t, dst, what) for t in payload[len(works):]]
         self._next = index + 1
         # Free only tensors that went out as they are (a contiguous copy was sent otherwise).
         to_free = [t for t in free if any(t is p for p in payload)]
