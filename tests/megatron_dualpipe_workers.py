@@ -32,11 +32,23 @@ def _parallel(pp: int, vpp: int | None, tied_local: bool) -> None:
     from dualpipe_megatron.megatron.model import embedding_ranks
 
     ps.destroy_model_parallel()
+    _release_groups()
     ps.initialize_model_parallel(
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         get_embedding_ranks=embedding_ranks if tied_local else None,
     )
     model_parallel_cuda_manual_seed(1234)
+
+
+def _release_groups() -> None:
+    """Destroy the previous layout's process groups. Megatron's destroy_model_parallel only forgets
+    them, and each gloo group keeps its own threads: over this worker's dozens of layouts, 4 ranks
+    reached tens of thousands of threads, past the machine's pid limit."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 def _fill(model: torch.nn.Module, tied: bool) -> None:
