@@ -62,6 +62,8 @@ def test_megatron_linear_forward_stays_a_staticmethod() -> None:
     from megatron.core.tensor_parallel.layers import \
         LinearWithGradAccumulationAndAsyncCommunication as Linear
 
+    was_installed = wgrad_megatron.PATCHES.is_patched(Linear, "forward")  # by an earlier test
+    wgrad_megatron.uninstall_linear_deferral()
     before = {name: inspect.getattr_static(Linear, name) for name in ("forward", "backward")}
     wgrad_megatron.install_linear_deferral()
     try:
@@ -72,6 +74,8 @@ def test_megatron_linear_forward_stays_a_staticmethod() -> None:
         wgrad_megatron.uninstall_linear_deferral()
     for name, value in before.items():
         assert inspect.getattr_static(Linear, name) is value
+    if was_installed:
+        wgrad_megatron.install_linear_deferral()
 
 
 def test_wrong_signature_is_refused_and_nothing_patched(patches: PatchSet) -> None:
