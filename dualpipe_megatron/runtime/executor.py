@@ -20,6 +20,7 @@ from torch import nn
 from ..schedules.ir import B, F, Key, Schedule, W
 from .p2p import P2P
 from .plan import ACT, GRAD, Message, MessagePlan
+from .profiling import op_range
 from .wgrad import DeferredWeightGrads, deferring, run_backward
 
 Half = F | B | W
@@ -163,7 +164,7 @@ class Executor:
 
     def _run_op(self, plan: MessagePlan, n: int, index: int, parts: tuple[Half, ...]) -> None:
         where = _describe(index, parts)
-        with self.wgrad_store.activated():
+        with op_range(parts), self.wgrad_store.activated():
             if len(parts) == 2 and self._hooked(parts[0], parts[1]):
                 self._overlapped(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
             else:
