@@ -5,7 +5,7 @@
 # shared expert, FP8 blockwise, PP=16 dualpipev x EP=64 on 256 nodes of 8 GPUs). It has not been
 # run here: this project is verified on CPU only, and the DualPipe runtime on NCCL, Transformer
 # Engine, FP8 and the flex/DeepEP dispatcher are untested with our schedule (see the README's
-# compatibility matrix). Start from a small proxy and check losses against 1F1B first.
+# status matrix). Start from a small proxy and check losses against 1F1B first.
 #
 # Every setting is an environment variable; extra arguments go to pretrain_gpt.py last (and win):
 #   NNODES=1 PP=2 EP=4 NUM_LAYERS=16 LAYOUT= HIDDEN=2048 FFN_HIDDEN=8192 HEADS=16 NUM_EXPERTS=64 \
@@ -35,9 +35,10 @@ EP=${EP:-64}
 MBS=${MBS:-1}
 GBS=${GBS:-15360}                # micro-batches per step = GBS / (MBS x DP); must be >= 2 x PP
 # Layers per stage in stage order (2 x PP stages for dualpipev): embedding + 1 layer first, 30
-# stages of 2 layers, the loss alone last (it shares rank 0 with the embedding). Empty: even split.
+# stages of 2 layers, the MTP layer and the loss alone last (it shares rank 0 with the embedding).
+# Empty: even split.
 NUM_LAYERS=${NUM_LAYERS:-61}
-LAYOUT=${LAYOUT-"Et|(tt|)*30L"}
+LAYOUT=${LAYOUT-"Et|(tt|)*30mL"}
 TRACE_DIR=${TRACE_DIR:-}         # set to record every pipeline op (python -m dualpipe_megatron.trace)
 
 WORLD=$((NNODES * GPUS_PER_NODE))
@@ -86,7 +87,7 @@ MODEL=(
     --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
     --moe-grouped-gemm --moe-permute-fusion
     --moe-token-dispatcher-type "${DISPATCHER:-alltoall}"  # flex + --moe-flex-dispatcher-backend deepep: untested
-    # DeepSeek-V3's MTP module is left out: --mtp-num-layers is rejected with --pipeline-schedule.
+    --mtp-num-layers 1  # DeepSeek-V3: one MTP module, at the loss stage
 )
 PARALLEL=(
     --pipeline-model-parallel-size "$PP" --pipeline-schedule "$SCHEDULE"
