@@ -8,7 +8,7 @@ nothing (see tests/stock_pretrain_gpt.py, run through ``python -m dualpipe_megat
         --pipeline-schedule dualpipev ... (any Megatron pretraining flags)
 
 Mock data (``--mock-data``) or Megatron's indexed datasets (``--data-path``). Without CUDA it
-runs on CPU with gloo (``--distributed-backend gloo``; see the README for the CPU flags).
+runs on CPU with gloo (``--distributed-backend gloo``; see docs/megatron_cpu.md for the CPU flags).
 """
 
 from __future__ import annotations
@@ -35,33 +35,48 @@ from megatron.training.utils import get_blend_and_blend_per_split
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def layer_spec(args):
-    """Local layers, or Transformer Engine's where it is installed and asked for."""
-    if args.transformer_impl == "local":
+def layer_spec(args, config, vp_stage: int | None):
+    """Local layers, or Transformer Engine's where it is installed and asked for. MoE models get
+    Megatron's decoder block spec, which follows ``--moe-layer-freq`` (dense and MoE layers)."""
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                          normalization=args.normalization, vp_stage=vp_stage)
+    if not use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(num_experts=args.num_experts,
-                                        moe_grouped_gemm=args.moe_grouped_gemm,
-                                        qk_layernorm=args.qk_layernorm)
+        return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts,
-                                                      moe_grouped_gemm=args.moe_grouped_gemm,
-                                                      qk_layernorm=args.qk_layernorm)
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+
+
+def mtp_spec(args, config, spec, vp_stage: int | None):
+    """The MTP block for the chunk that holds it (``--mtp-num-layers``), else None."""
+    if not args.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=args.transformer_impl == "transformer_engine",
+                                  vp_stage=vp_stage)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                    config=None, pg_collection=None) -> GPTModel:
     args = get_args()
     config = config or core_transformer_config_from_args(args)
+    spec = layer_spec(args, config, vp_stage)
     return GPTModel(
-        config, layer_spec(args), vocab_size=args.padded_vocab_size,
+        config, spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent, vp_stage=vp_stage, pg_collection=pg_collection,
+        mtp_block_spec=mtp_spec(args, config, spec, vp_stage),
     )
 
 
@@ -114,7 +129,8 @@ def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = Fa
     run = model.build_schedule_plan if return_schedule_plan else model
     if batch is None:
         return run(None, None, None), None
-    output = run(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = run(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                 loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -135,9 +151,21 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 datasets_provider.is_distributed = True
 
 
+def limit_mock_corpus() -> None:
+    """``DUALPIPE_MOCK_DOCUMENTS=N`` keeps the first N documents of Megatron's mock corpus (100,000
+    random-length documents, ~200M tokens). Indexing all of it takes ~13 s per rank on CPU, the
+    larger part of a small test or demo job's start-up; such jobs need a few hundred samples."""
+    documents = os.environ.get("DUALPIPE_MOCK_DOCUMENTS")
+    if documents:
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+        MockGPTLowLevelDataset.size = int(documents)
+
+
 def main() -> None:
     """A stock Megatron pretraining entry; our flag exists once the hooks are installed."""
     args = parse_and_validate_args()
+    limit_mock_corpus()
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=model_provider)
 

@@ -1,4 +1,4 @@
-"""Run Megatron pretraining jobs (torchrun, CPU, gloo, mock data) and read their logged losses.
+"""Run Megatron pretraining jobs (torchrun, CPU, gloo, mock data unless told) and read their logs.
 
 Every comparison starts from one checkpoint made by a PP=1 run with learning rate 0, because
 Megatron seeds each pipeline rank differently and two layouts would otherwise start from
@@ -39,12 +39,15 @@ class RunFailed(RuntimeError):
 
 
 def run(name: str, out: Path, nproc: int, args: list[str], command: list[str] | None = None,
-        timeout: float = 400) -> str:
-    """One torchrun job; returns its log (raises RunFailed with the log tail if it fails)."""
+        timeout: float = 400, mock_data: bool = True) -> str:
+    """One torchrun job; returns its log (raises RunFailed with the log tail if it fails).
+
+    Without ``mock_data`` the job reads what ``args`` name (``--data-path ...``)."""
     log = out / f"{name}.log"
+    data = DATA if mock_data else [flag for flag in DATA if flag != "--mock-data"]
     cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           *(command or [str(PRETRAIN)]), *MODEL, *CPU, *DATA, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+           *(command or [str(PRETRAIN)]), *MODEL, *CPU, *data, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DUALPIPE_MOCK_DOCUMENTS": "64"}
     with log.open("w") as fh:
         code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                               timeout=timeout).returncode
@@ -60,6 +63,13 @@ def losses(log: str) -> dict[int, float]:
 
 def grad_norms(log: str) -> dict[int, float]:
     return {int(it): float(value) for it, value in GRAD_NORM.findall(log)}
+
+
+def logged(log: str, key: str) -> dict[int, float]:
+    """Any ``key: value`` of the per-iteration log line (``loss scale``, ``number of skipped
+    iterations``...), by iteration."""
+    pattern = re.compile(rf"iteration\s+(\d+)/\s*\d+ \|.*?{re.escape(key)}:\s+([0-9.E+-]+)")
+    return {int(it): float(value) for it, value in pattern.findall(log)}
 
 
 def eval_losses(log: str) -> dict[str, float]:

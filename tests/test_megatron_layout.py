@@ -56,6 +56,19 @@ def test_dualpipe_layout_offsets_follow_each_direction() -> None:
     assert offsets == [[0, 6], [2, 4], [4, 2], [6, 0]]
 
 
+def test_mtp_layers_sit_with_the_loss() -> None:
+    """DualPipeV's loss stage is chunk 1 of rank 0 (Megatron's own check refuses MTP on the first
+    rank); DualPipe's are chunk 0 of the last rank and chunk 1 of rank 0."""
+    v = dualpipe_layout("dualpipev", 2, 8, mtp_layers=2)
+    assert repr(v) == "Ett|tt|tt|ttmmL"
+    assert [[chunk.count(LayerType.mtp) for chunk in rank] for rank in v.layout] == [[0, 2], [0, 0]]
+    assert v.validate_layer_layout(num_layers=8, mtp_num_layers=2) is False
+    both = dualpipe_layout("dualpipe", 4, 8, "Ett|tt|tt|ttmL", mtp_layers=1)
+    assert [[chunk.count(LayerType.mtp) for chunk in both.layout[r]] for r in (0, 3)] == [[0, 1], [1, 0]]
+    with pytest.raises(ValueError, match=r"2 MTP layers \(m\) for --mtp-num-layers 1"):
+        v.validate_layer_layout(num_layers=8, mtp_num_layers=1)
+
+
 @pytest.mark.parametrize("args,message", [
     # Schedule rules come from the generators, in the context of Megatron's sizes.
     (("dualpipe", 3, 12, 6), "(pipeline-model-parallel size 3, 12 micro-batches per step): dualpipe needs an "
@@ -65,6 +78,10 @@ def test_dualpipe_layout_offsets_follow_each_direction() -> None:
     (("dualpipe", 4, 6, 8), "needs microbatches >= 2*ranks (8), got 6; raise --global-batch-size"),
     (("dualpipev", 2, 4, 6), "num_layers (6) is not divisible by the 4 pipeline stages"),
     (("dualpipev", 2, 4, 6, "Et|tt|tL"), "pipeline layout has 3 stages; this schedule needs 4"),
+    (("dualpipev", 2, 4, 6, "Et|tt|tt|tL", 1), "0 MTP layers (m) for --mtp-num-layers 1"),
+    (("dualpipev", 2, 4, 6, "Et|tt|tm|tL", 1), "MTP layers (m) must sit together just before the loss"),
+    (("dualpipev", 2, 4, 6, "Et|tt|tt|ttL"), "7 decoder layers (t) for --num-layers 6"),
+    (("dualpipev", 2, 4, 6, "tE|tt|tt|tL"), "the embedding (E) must open the first stage"),
     (("zigzag", 2, 4, 4), "unknown pipeline schedule 'zigzag'"),
     (("dualpipev", 1, 4, 4), "needs pipeline-model-parallel size >= 2"),
 ])
@@ -79,7 +96,7 @@ def test_unsupported_options_are_named_with_reasons() -> None:
                              overlap_moe_expert_parallel_comm=True, defer_embedding_wgrad_compute=True)
     reasons = step_problems(config, True, lambda x: x)
     assert [r.split(" ")[0] for r in reasons] == [
-        "variable_seq_lengths", "multi-token", "defer_embedding_wgrad_compute", "collect_non_loss_data", "adjust_tensor_shapes_fn",
+        "variable_seq_lengths", "defer_embedding_wgrad_compute", "collect_non_loss_data", "adjust_tensor_shapes_fn",
     ]
     clean = SimpleNamespace(variable_seq_lengths=False, mtp_num_layers=None)
     assert step_problems(clean, False, None) == []

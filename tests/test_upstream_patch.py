@@ -103,7 +103,7 @@ def train(out_dir: Path, mode: str, pythonpath: list[Path], flags: list[str]) ->
     ranks' reports and the log."""
     log = out_dir / f"{mode}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "DUALPIPE_MOCK_DOCUMENTS": "64"}
     cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(DRIVER), mode, str(STOCK_SCRIPT), *flags]
     try:

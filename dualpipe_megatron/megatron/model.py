@@ -45,18 +45,18 @@ def chunk_roles(stage_map: StageMap, rank: int) -> list[ChunkRole]:
 
 
 def check_configuration(schedule: str, pipeline_size: int, num_microbatches: int | None,
-                        num_layers: int, layout: str | list | None = None) -> None:
+                        num_layers: int, layout: str | list | None = None, mtp_layers: int = 0) -> None:
     """Reject a configuration our schedules cannot run, before any model is built."""
-    problems = configuration_problems(schedule, pipeline_size, num_microbatches, num_layers, layout)
+    problems = configuration_problems(schedule, pipeline_size, num_microbatches, num_layers, layout, mtp_layers)
     if problems:
         raise ValueError("; ".join(problems))
 
 
 def dualpipe_layout(schedule: str, pipeline_size: int, num_layers: int,
-                    layout: str | list | None = None) -> DualPipeLayout:
+                    layout: str | list | None = None, mtp_layers: int = 0) -> DualPipeLayout:
     """Megatron layer layout for our placement: pass it as ``pipeline_model_parallel_layout``."""
     stage_map = stage_map_for(schedule, pipeline_size)
-    return DualPipeLayout(stage_layer_types(num_layers, stage_map.num_stages, layout), stage_map)
+    return DualPipeLayout(stage_layer_types(num_layers, stage_map.num_stages, layout, mtp_layers), stage_map)
 
 
 def prepare_model(model: Sequence[nn.Module], options: DualPipeOptions, rank: int,
@@ -125,12 +125,12 @@ def embedding_ranks(pp_ranks: list[int], *_: Any) -> list[int]:
 
 
 def model_config_kwargs(schedule: str, pipeline_size: int, num_layers: int,
-                        layout: str | list | None = None) -> dict[str, Any]:
+                        layout: str | list | None = None, mtp_layers: int = 0) -> dict[str, Any]:
     """TransformerConfig fields our placement needs (virtual size and layout)."""
     return {
         "pipeline_model_parallel_size": pipeline_size,
         "virtual_pipeline_model_parallel_size": 2,
-        "pipeline_model_parallel_layout": dualpipe_layout(schedule, pipeline_size, num_layers, layout),
+        "pipeline_model_parallel_layout": dualpipe_layout(schedule, pipeline_size, num_layers, layout, mtp_layers),
     }
 
 

@@ -9,7 +9,8 @@ for an explicit ``vp_stage``, for the chunk our schedule is running (set with
 :func:`running_chunk`), or, with neither, for any chunk on this rank.
 
 The pg-based ``pipeline_parallel.utils.is_pp_first_stage``/``is_pp_last_stage``
-keep their meaning (rank topology) and are not touched.
+keep their meaning (rank topology) and are not touched; only the MTP module's own
+copy of ``is_vp_last_stage`` answers for our placement (see ``_install_mtp_placement``).
 """
 
 from __future__ import annotations
@@ -86,3 +87,23 @@ def install_predicates() -> None:
             return _answer(_test, ignore_virtual, vp_stage)
 
         PATCHES.patch(parallel_state, name, predicate, "(ignore_virtual=True, vp_stage=None)")
+    _install_mtp_placement()
+
+
+def _install_mtp_placement() -> None:
+    """Megatron's MTP block asserts it is built in a rank's *last* chunk (looped placement); ours
+    sits at the loss stage, which DualPipe's last rank holds in chunk 0. While a stage map is
+    active the MTP module's ``is_vp_last_stage`` answers "holds the last model stage"."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    if PATCHES.is_patched(mtp, "is_vp_last_stage"):
+        return
+    original = mtp.is_vp_last_stage
+
+    def is_vp_last_stage(vp_stage: int, vp_size: int | None) -> bool:
+        stage_map = active_stage_map()
+        if stage_map is None or vp_stage is None:
+            return original(vp_stage=vp_stage, vp_size=vp_size)
+        return stage_map.is_last(parallel_state.get_pipeline_model_parallel_rank(), vp_stage)
+
+    PATCHES.patch(mtp, "is_vp_last_stage", is_vp_last_stage, "(vp_stage, vp_size)")

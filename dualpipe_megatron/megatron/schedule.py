@@ -32,6 +32,7 @@ from ..trace.recorder import OpTracer
 from .grads import sum_mirrored_grads, sum_tied_embedding_grads
 from .guard import check_private_symbols
 from .moe_overlap import MoEOverlapStage, announce_overlap, overlap_enabled
+from .mtp import recording_mtp_metrics, replay_mtp_metrics
 from .predicates import stage_map_active
 from .stages import MegatronStage, MegatronStep, MicrobatchData
 from .support import SCHEDULES, delayed_wgrad_problems, stage_map_for, step_problems
@@ -184,14 +185,15 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
     num_microbatches = sp.sched.microbatches
     per_direction = sp.sched.microbatches_per_direction
     data = [MicrobatchData(it, num_microbatches) for it in _as_list(data_iterator, len(sp.chunks))]
+    device = next(sp.chunks[0].parameters()).device
     step = MegatronStep(forward_step_func, sp.chunks, data, config, num_microbatches,
-                        sp.pg_collection.cp.size(), sp.forward_only, first_val_step)
+                        sp.pg_collection.cp.size(), sp.forward_only, first_val_step,
+                        num_tokens=torch.zeros((), dtype=torch.int, device=device))
     stage_cls = MoEOverlapStage if sp.overlap else MegatronStage
     stages = {
         (d, s): stage_cls(step, c, d, s == sp.sched.stages - 1, d * per_direction)
         for c, (d, s) in enumerate(sp.sched.stages_on(sp.rank))
     }
-    device = next(sp.chunks[0].parameters()).device
     p2p = P2P(DistTransport(sp.group, list(range(sp.sched.ranks))), sp.rank, device, lambda edge: sp.shapes,
               config.pipeline_dtype, options.timeout, options.debug_p2p)
     executor = Executor(sp.sched, sp.rank, stages, p2p, defer_weight_grads=options.defer_weight_grads,
@@ -199,9 +201,12 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
     empty = {d: [() for _ in range(per_direction)] for d in range(sp.sched.directions)}
     step_data = StepData(inputs=empty, labels=empty, criterion=lambda loss: loss,
                          return_outputs=False, forward_only=sp.forward_only)
-    with stage_map_active(sp.stage_map), _no_sync(config, len(sp.chunks)):
+    recording = (contextlib.nullcontext() if sp.forward_only
+                 else recording_mtp_metrics(config, lambda: step.microbatch))
+    with stage_map_active(sp.stage_map), _no_sync(config, len(sp.chunks)), recording as mtp_records:
         with torch.no_grad() if sp.forward_only else contextlib.nullcontext():
             executor.run(sp.plan, step_data)
+    step.mtp_records = mtp_records
     options.state.last_stats = executor.stats
     if sp.overlap:
         announce_overlap(executor.stats.overlapped, sp.sched.ops[sp.rank])
@@ -211,7 +216,8 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
 
 def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronStep,
                 force_all_reduce: bool | None) -> list:
-    """Sum tied and mirrored grads, let Megatron finalize, and relay the loss reports."""
+    """Sum tied and mirrored grads, let Megatron finalize, and relay the loss reports (and the MTP
+    losses) to the last pipeline rank, where Megatron's training log reads them."""
     sp, config = step_plan, step_plan.config
     if not sp.forward_only:
         sum_tied_embedding_grads(sp.chunks, sp.stage_map, sp.rank)
@@ -228,6 +234,8 @@ def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronSte
                 sp.chunks, total if config.calculate_per_token_loss else None,
                 pg_collection=sp.pg_collection, force_all_reduce=force_all_reduce,
             )
+        if step.mtp_records is not None:
+            replay_mtp_metrics(step.mtp_records, sp.group, step.num_tokens.device)  # the model's device
     return _relay_to_last_rank(sp.sched, sp.rank, step, sp.group)
 
 

@@ -84,6 +84,9 @@ class MegatronStep:
     forward_only: bool
     first_val_step: bool | None
     stores: dict[int, dict[int, list]] = field(default_factory=dict)  # direction -> micro-batch -> reports
+    microbatch: int | None = None  # global micro-batch of the forward running now (or last run)
+    mtp_records: list | None = None  # MTP metrics of a training step, by micro-batch (mtp.py)
+    # Tokens of this rank's loss stages; on the model's device (it is all-reduced with the backend).
     num_tokens: torch.Tensor = field(default_factory=lambda: torch.tensor(0, dtype=torch.int))
 
     def store_for(self, d: int, m: int) -> list:
@@ -126,6 +129,7 @@ class MegatronStage:
         first = mcore_schedules.check_first_val_step(step.first_val_step, step.forward_only, self.forwards == 0)
         self.forwards += 1
         global_m = self.offset + key.m
+        step.microbatch = global_m
         return step.data[self.chunk].reader(global_m), global_m, first
 
     def __call__(self, *inputs: torch.Tensor, key: Key) -> torch.Tensor:

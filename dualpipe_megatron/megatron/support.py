@@ -31,7 +31,7 @@ def stage_map_for(schedule: str, ranks: int) -> StageMap:
 
 
 def configuration_problems(schedule: str, pipeline_size: int, num_microbatches: int | None,
-                           num_layers: int, layout: str | list | None = None) -> list[str]:
+                           num_layers: int, layout: str | list | None = None, mtp_layers: int = 0) -> list[str]:
     """Why ``schedule`` cannot run this pipeline (the generators' own rules, then the layout)."""
     if schedule not in SCHEDULES:
         return [f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}"]
@@ -47,7 +47,7 @@ def configuration_problems(schedule: str, pipeline_size: int, num_microbatches: 
                 if num_microbatches is not None and num_microbatches < 2 * pipeline_size else "")
         return [f"--pipeline-schedule {schedule} ({shape}): {exc}{hint}"]
     try:
-        stage_layer_types(num_layers, stage_map_for(schedule, pipeline_size).num_stages, layout)
+        stage_layer_types(num_layers, stage_map_for(schedule, pipeline_size).num_stages, layout, mtp_layers)
     except ScheduleError as exc:
         return [f"--pipeline-schedule {schedule}: {exc}"]
     return []
@@ -67,8 +67,7 @@ def argument_problems(args: Any) -> list[str]:
         if getattr(args, name, None) is not None:
             problems.append(f"--pipeline-schedule {schedule} places stages itself; drop "
                             f"--{name.replace('_', '-')} (use --dualpipe-layout for uneven layers per stage)")
-    for name, why in (("mtp_num_layers", "MTP is not wired for V-shaped chunks yet"),
-                      ("use_megatron_fsdp", "FSDP with our chunks is untested"),
+    for name, why in (("use_megatron_fsdp", "FSDP with our chunks is untested"),
                       ("use_torch_fsdp2", "FSDP with our chunks is untested")):
         if getattr(args, name, None):
             problems.append(f"--pipeline-schedule {schedule} does not support --{name.replace('_', '-')}: {why}")
@@ -82,7 +81,8 @@ def argument_problems(args: Any) -> list[str]:
     if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
         problems.append(f"--pipeline-schedule {schedule} does not support full-iteration CUDA graphs")
     return problems + configuration_problems(schedule, args.pipeline_model_parallel_size, None, args.num_layers,
-                                             getattr(args, "dualpipe_layout", None))
+                                             getattr(args, "dualpipe_layout", None),
+                                             getattr(args, "mtp_num_layers", None) or 0)
 
 
 def step_problems(config: Any, collect_non_loss_data: bool, adjust_tensor_shapes_fn: Callable | None) -> list[str]:
@@ -90,8 +90,6 @@ def step_problems(config: Any, collect_non_loss_data: bool, adjust_tensor_shapes
     reasons = []
     if config.variable_seq_lengths:
         reasons.append("variable_seq_lengths (p2p shapes must be fixed)")
-    if getattr(config, "mtp_num_layers", None):
-        reasons.append("multi-token prediction (MTP placement on V-shaped chunks is not wired)")
     if getattr(config, "defer_embedding_wgrad_compute", False):
         reasons.append("defer_embedding_wgrad_compute")
     if collect_non_loss_data:

@@ -49,27 +49,54 @@ class StageMap:
 
 
 def stage_layer_types(
-    num_layers: int, num_stages: int, layout: str | list | None = None
+    num_layers: int, num_stages: int, layout: str | list | None = None, mtp_layers: int = 0
 ) -> list[list[LayerType]]:
-    """Layer types per model stage: Megatron's layout string/list (in stage order) or an even split."""
+    """Layer types per model stage: Megatron's layout string/list (in stage order) or an even
+    split, with the ``mtp_layers`` MTP layers (``--mtp-num-layers``) at the loss stage."""
     if layout is None:
         if num_layers % num_stages:
             raise ScheduleError(
                 f"num_layers ({num_layers}) is not divisible by the {num_stages} pipeline "
-                f"stages; pass --pipeline-model-parallel-layout to place layers unevenly"
+                f"stages; pass --dualpipe-layout to place layers unevenly"
             )
         per = num_layers // num_stages
         stages = [[LayerType.decoder] * per for _ in range(num_stages)]
         stages[0].insert(0, LayerType.embedding)
-        stages[-1].append(LayerType.loss)
+        stages[-1] += [LayerType.mtp] * mtp_layers + [LayerType.loss]
         return stages
     parsed = PipelineParallelLayerLayout.parse_str_to_list(layout) if isinstance(layout, str) else layout
     if len(parsed) != num_stages:
         raise ScheduleError(
             f"pipeline layout has {len(parsed)} stages; this schedule needs {num_stages}"
         )
-    return [[t if isinstance(t, LayerType) else LayerType[t.strip().lower()] for t in st]
-            for st in parsed]
+    stages = [[t if isinstance(t, LayerType) else LayerType[t.strip().lower()] for t in st]
+              for st in parsed]
+    problems = layout_problems(stages, num_layers, mtp_layers)
+    if problems:
+        raise ScheduleError(f"pipeline layout {layout!r}: " + "; ".join(problems))
+    return stages
+
+
+def layout_problems(stages: list[list[LayerType]], num_layers: int, mtp_layers: int) -> list[str]:
+    """Why per-stage layer types (in model-stage order) are not a model our chunks can hold.
+
+    The embedding opens the first stage and the loss closes the last; MTP layers follow every
+    decoder layer and sit with the loss, where the embedding and output layer are at hand
+    (DualPipeV's rank 0, each DualPipe direction's last stage).
+    """
+    flat = [t for stage in stages for t in stage]
+    problems = []
+    if flat.count(LayerType.embedding) != 1 or stages[0][:1] != [LayerType.embedding]:
+        problems.append("the embedding (E) must open the first stage, once")
+    if flat.count(LayerType.loss) != 1 or stages[-1][-1:] != [LayerType.loss]:
+        problems.append("the loss (L) must close the last stage, once")
+    if flat.count(LayerType.decoder) != num_layers:
+        problems.append(f"{flat.count(LayerType.decoder)} decoder layers (t) for --num-layers {num_layers}")
+    if flat.count(LayerType.mtp) != mtp_layers:
+        problems.append(f"{flat.count(LayerType.mtp)} MTP layers (m) for --mtp-num-layers {mtp_layers}")
+    elif mtp_layers and stages[-1][-1 - mtp_layers:-1] != [LayerType.mtp] * mtp_layers:
+        problems.append("the MTP layers (m) must sit together just before the loss (L), in the last stage")
+    return problems
 
 
 class DualPipeLayout(PipelineParallelLayerLayout):
@@ -95,6 +122,15 @@ class DualPipeLayout(PipelineParallelLayerLayout):
             for r in range(stage_map.ranks)
         ]
         self.flatten_layout = [t for stage in self.stage_layers for t in stage]
+
+    def validate_layer_layout(self, num_layers: int, mtp_num_layers: int | None) -> bool:
+        """Megatron's check assumes looped placement (MTP in a rank's last chunk, never on the
+        first rank); ours is by model stage. Returns Megatron's ``mtp_standalone``, which only
+        its own p2p reads (our schedules use their own)."""
+        problems = layout_problems(self.stage_layers, num_layers, mtp_num_layers or 0)
+        if problems:
+            raise ValueError(f"pipeline layout {self!r}: " + "; ".join(problems))
+        return False
 
     def __repr__(self) -> str:
         return "|".join("".join(_CHAR[t] for t in s) for s in self.stage_layers)

@@ -78,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--dualpipe-layout", default=None,
         help="Layers per stage for dualpipe/dualpipev as Megatron's layout string, in model "
-             "stage order (2P stages for dualpipev, P for dualpipe), e.g. 'Et|tt|tt|tL'. "
-             "Default: an even split of --num-layers.")
+             "stage order (2P stages for dualpipev, P for dualpipe), e.g. 'Et|tt|tt|tL', with "
+             "--mtp-num-layers' MTP layers (m) just before the loss, e.g. 'Et|tt|tt|tmL'. "
+             "Default: an even split of --num-layers, MTP layers with the loss.")
     group.add_argument(
         "--dualpipe-p2p-timeout", type=float, default=600.0,
         help="Seconds any pipeline send/receive may wait before the step fails with an error "
@@ -134,9 +135,11 @@ def post_validate(args: argparse.Namespace) -> None:
         _state["options"] = None
         return
     pp = args.pipeline_model_parallel_size
-    check_configuration(schedule, pp, _microbatches(args), args.num_layers, args.dualpipe_layout)
+    mtp_layers = getattr(args, "mtp_num_layers", None) or 0
+    check_configuration(schedule, pp, _microbatches(args), args.num_layers, args.dualpipe_layout, mtp_layers)
     args.virtual_pipeline_model_parallel_size = 2
-    args.pipeline_model_parallel_layout = dualpipe_layout(schedule, pp, args.num_layers, args.dualpipe_layout)
+    args.pipeline_model_parallel_layout = dualpipe_layout(schedule, pp, args.num_layers, args.dualpipe_layout,
+                                                          mtp_layers)
     args.overlap_p2p_comm = False
     args.align_param_gather = False
     _state["options"] = DualPipeOptions(schedule=schedule, timeout=args.dualpipe_p2p_timeout,
