@@ -33,13 +33,17 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def _tied_weights(model: Sequence[nn.Module], stage_map: StageMap, rank: int) -> tuple[nn.Parameter, nn.Parameter] | None:
-    """(embedding weight, output weight) when this rank holds both ends of a tied model."""
+    """(embedding weight, its copy at the loss stage) when this rank holds both ends of a model
+    with such a copy: the tied output layer, or the MTP block's embedding."""
     first = [c for c in range(stage_map.chunks) if stage_map.is_first(rank, c)]
     last = [c for c in range(stage_map.chunks) if stage_map.is_last(rank, c)]
     if not first or not last:
         return None
     pre = model[first[0]]
-    if not get_attr_wrapped_model(pre, "share_embeddings_and_output_weights"):
+    # Megatron keeps a second word-embedding copy at the loss stage for a tied output layer, and
+    # for the MTP block's embedding (tied or not); _get_shared_word_embedding_weight's rule.
+    if not (get_attr_wrapped_model(pre, "share_embeddings_and_output_weights")
+            or getattr(get_attr_wrapped_model(pre, "config"), "mtp_num_layers", None)):
         return None
     weight_of = lambda chunk: get_attr_wrapped_model(chunk, "shared_embedding_or_output_weight")()  # noqa: E731
     emb, out = weight_of(pre), weight_of(model[last[0]])
