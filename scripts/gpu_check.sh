@@ -259,8 +259,10 @@ fi
 
 # -- Megatron pretraining, dualpipev at PP=2 ------------------------------------------------------
 header "megatron_pp2"
+# With one MTP layer at the loss stage (rank 0 under dualpipev), DeepSeek-V3 style: RoPE, untied head.
 MODEL=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256
-       --max-position-embeddings 256 --vocab-size 1024 --position-embedding-type learned_absolute
+       --max-position-embeddings 256 --vocab-size 1024 --position-embedding-type rope
+       --untie-embeddings-and-output-weights --mtp-num-layers 1
        --hidden-dropout 0 --attention-dropout 0)
 PARALLEL=(--pipeline-model-parallel-size 2 --pipeline-schedule dualpipev --dualpipe-p2p-timeout 60)
 # No apex, Transformer Engine or torch.compile on the device image: these fusions stay off there too.
@@ -288,18 +290,18 @@ else
         scripts/pretrain_gpt.py "${MODEL[@]}" "${PARALLEL[@]}" "${NO_FUSIONS[@]}" "${extra[@]}" \
         "${DATA[@]}" "${TRAIN[@]}"
     rc=$?
-    loss_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: " "$log")
+    loss_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: .*mtp_1 loss: " "$log")
     grep -E "iteration +[0-9]+/ +3 \|" "$log" | sed -E 's/.*(iteration +[0-9]+\/ +3).*(elapsed time per iteration \(ms\): [0-9.]+).*(lm loss: [0-9.E+-]+).*/\1 | \2 | \3/'
     errors=$(grep -c "Traceback" "$log")
     if [[ $rc == 0 && $loss_lines == 3 && $errors == 0 ]]; then
-        record megatron_pp2 PASS "$what: 3 iterations logged lm loss"
+        record megatron_pp2 PASS "$what: 3 iterations logged lm loss and mtp_1 loss"
     else
         show_tail "$log" 60
         if grep -q "compiling dataset index builder" "$log" && ! grep -q "done with dataset index builder" "$log"; then
             echo "hint: Megatron's compile_helpers() ran make in megatron/core/datasets (the wheel ships no" \
                  "Makefile); scripts/pretrain_gpt.py replaces it only when CUDA is absent (cpu_compat)"
         fi
-        record megatron_pp2 FAIL "$what: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 loss lines, $errors tracebacks"
+        record megatron_pp2 FAIL "$what: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 lines with lm and mtp_1 loss, $errors tracebacks"
     fi
 fi
 

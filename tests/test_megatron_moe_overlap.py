@@ -82,6 +82,8 @@ def _config(**kwargs):
     (dict(expert_model_parallel_size=1), "expert-model-parallel size 1"),
     (dict(moe_token_dispatcher_type="allgather"), "token dispatcher 'allgather'"),
     (dict(recompute_granularity="full"), "full activation recomputation"),
+    (dict(num_layers=3, moe_layer_freq=[1, 1, 0]), "dense last layer 3"),
+    (dict(num_layers=4, moe_layer_freq=2), "dense last layer 4"),
 ])
 def test_models_that_fall_back_to_f_then_b(change: dict, reason: str) -> None:
     from dualpipe_megatron.megatron.moe_overlap import overlap_enabled

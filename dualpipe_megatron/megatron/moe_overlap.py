@@ -27,6 +27,16 @@ Eligible: training steps of MoE models with expert parallelism > 1 and the
 ``build_schedule_plan``. Everything else (dense models, EP = 1) runs F then B.
 ``DualPipeOptions.moe_overlap = False`` turns it off.
 
+Dense layers of an MoE model (``--moe-layer-freq``, e.g. dense-then-MoE) run in the
+same plans: Megatron builds a dense layer's dispatch and combine as no-op nodes, so
+its attention and MLP are compute only, and the other half's all-to-alls overlap
+them. A chunk of only dense layers runs its plans too: its F paired with an MoE
+chunk's B still hides that B's all-to-alls, which F then B would expose. The one
+exception is in :func:`~.support.overlap_blockers`: the plans apply the final
+layernorm in an MoE layer's combine node only, so a model whose last decoder layer
+is dense runs F then B. The first step's announcement on global rank 0 names which
+layers of its chunks overlapped their all-to-alls and which are compute only.
+
 Megatron's flag ``overlap_moe_expert_parallel_comm`` is not needed: it only
 selects Megatron's combined 1F1B schedule, and under our schedules it is accepted
 as asking for this overlap (Megatron requires it for ``delay_wgrad_compute``, see
@@ -50,6 +60,8 @@ from .stages import MegatronStage, MegatronStep
 from .support import overlap_blockers
 
 _said: set[str] = set()  # messages printed once per process
+_layers: list[str] = []  # this rank's chunk layers (describe_layers), until announced
+_HOW = {True: "MoE (EP all-to-all overlapped)", False: "dense (compute only)"}
 
 
 def overlap_enabled(enabled: bool, config: Any, chunks: Sequence[nn.Module], forward_step_func: Callable,
@@ -63,18 +75,57 @@ def overlap_enabled(enabled: bool, config: Any, chunks: Sequence[nn.Module], for
         if message not in _said:
             _said.add(message)
             warnings.warn(f"DualPipe MoE F&B overlap off, running F then B: {message}", stacklevel=3)
+    if not reasons and "overlap on" not in _said and _global_rank_0():
+        _layers[:] = [describe_layers(chunks)]
     return not reasons
 
 
+def _global_rank_0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def describe_layers(chunks: Sequence[nn.Module]) -> str:
+    """How the plans run each decoder (and MTP) layer of ``chunks``, by Megatron's layer numbers, e.g.
+    ``chunk 0: layer 1 dense (compute only), layer 2 MoE (EP all-to-all overlapped)``; MoE or
+    not by the plans' own test (the layer's MLP is an ``MoELayer``, as ``--moe-layer-freq`` built it)."""
+    from megatron.core.models.common.fine_grained_callables import get_layer_moe_metadata
+    from megatron.core.utils import get_attr_wrapped_model
+
+    parts = []
+    for c, chunk in enumerate(chunks):
+        try:
+            layers = get_attr_wrapped_model(chunk, "decoder").layers
+        except RuntimeError:  # not a GPT chunk: nothing to name
+            layers = []
+        runs: list[list] = []  # [is MoE, first, last layer number] of consecutive layers
+        for layer in layers:
+            moe, number = get_layer_moe_metadata(layer)[0], layer.layer_number
+            if runs and runs[-1][0] == moe and runs[-1][2] == number - 1:
+                runs[-1][2] = number
+            else:
+                runs.append([moe, number, number])
+        named = [f"layer {a} {_HOW[moe]}" if a == b else f"layers {a}-{b} {_HOW[moe]}" for moe, a, b in runs]
+        try:  # the MTP block (--mtp-num-layers) runs in the loss stage's plans too
+            mtp_layers = get_attr_wrapped_model(chunk, "mtp").layers
+        except RuntimeError:
+            mtp_layers = []
+        named += [f"MTP layer {k} {_HOW[get_layer_moe_metadata(layer.mtp_model_layer)[0]]}"
+                  for k, layer in enumerate(mtp_layers, 1)]
+        parts.append(f"chunk {c}: {', '.join(named) or 'no decoder layers'}")
+    return "; ".join(parts)
+
+
 def announce_overlap(overlapped: int, rank_ops: Sequence[Op]) -> None:
-    """Say once per process, on global rank 0, how many of this rank's FB ops ran overlapped (the
-    counterpart of the warning above, so a log shows which way a run went)."""
-    if "overlap on" in _said or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+    """Say once per process, on global rank 0, how many of this rank's FB ops ran overlapped and
+    what ran how in each chunk (the counterpart of the warning above, so a log shows which way a
+    run went)."""
+    if "overlap on" in _said or not _global_rank_0():
         return
     _said.add("overlap on")
     fb_ops = sum(isinstance(op, FB) for op in rank_ops)
-    print(f"DualPipe MoE F&B overlap on: {overlapped} of {fb_ops} FB ops on this rank ran "
-          f"through Megatron's combined_forward_backward_step", flush=True)
+    layers = _layers.pop() if _layers else ""
+    print(f"DualPipe MoE F&B overlap on: {overlapped} of {fb_ops} FB ops on this rank ran through "
+          f"Megatron's combined_forward_backward_step" + (f"; {layers}" if layers else ""), flush=True)
 
 
 class _Pending:
@@ -205,4 +256,4 @@ class MoEOverlapStage(MegatronStage):
         return alias
 
 
-__all__ = ["MoEOverlapStage", "announce_overlap", "overlap_enabled"]
+__all__ = ["MoEOverlapStage", "announce_overlap", "describe_layers", "overlap_enabled"]

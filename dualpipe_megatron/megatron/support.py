@@ -126,6 +126,13 @@ def overlap_blockers(config: Any, chunks: Sequence[nn.Module], forward_step_func
         reasons.append("recompute of the moe module")
     if getattr(config, "moe_shared_expert_overlap", False):
         reasons.append("moe_shared_expert_overlap")
+    if getattr(config, "num_moe_experts", None) and getattr(config, "moe_layer_freq", 1) != 1:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_moe_layer_pattern
+
+        # From the config, not the chunks: every pipeline rank must decide alike.
+        if not get_moe_layer_pattern(config)[-1]:
+            reasons.append(f"dense last layer {config.num_layers} (Megatron's schedule plans apply the final "
+                           f"layernorm only in an MoE layer's combine node, so they would skip it)")
     for chunk in chunks:
         try:
             get_attr_wrapped_model(chunk, "build_schedule_plan", return_model_obj=True)
