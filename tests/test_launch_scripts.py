@@ -61,7 +61,7 @@ def _check_pretrain_args(cmd: list[str]) -> argparse.Namespace:
         training_support.pre_validate(args)
     check_configuration(args.pipeline_schedule, args.pipeline_model_parallel_size,
                         args.global_batch_size // (args.micro_batch_size * dp), args.num_layers,
-                        args.dualpipe_layout)
+                        args.dualpipe_layout, args.mtp_num_layers or 0)
     return args
 
 
@@ -84,7 +84,8 @@ def test_torchrun_dry_run_is_deepseek_v3_like(env: dict[str, str], dry_flag: boo
     assert (args.pipeline_schedule, args.pipeline_model_parallel_size, args.expert_model_parallel_size) == \
         ("dualpipev", 16, 64)
     assert (args.fp8, args.fp8_recipe, args.num_experts, args.moe_router_topk) == ("e4m3", "blockwise", 256, 8)
-    assert args.multi_latent_attention and args.num_layers == 61
+    assert args.multi_latent_attention and args.num_layers == 61 and args.mtp_num_layers == 1
+    assert args.dualpipe_layout == "Et|(tt|)*30mL"  # the MTP layer with the loss, on rank 0
     assert args.train_iters == 7  # extra arguments come last and win
 
 
