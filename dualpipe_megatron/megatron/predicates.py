@@ -10,7 +10,9 @@ for an explicit ``vp_stage``, for the chunk our schedule is running (set with
 
 The pg-based ``pipeline_parallel.utils.is_pp_first_stage``/``is_pp_last_stage``
 keep their meaning (rank topology) and are not touched; only the MTP module's own
-copy of ``is_vp_last_stage`` answers for our placement (see ``_install_mtp_placement``).
+copy of ``is_vp_last_stage`` answers for our placement (see ``_install_mtp_placement``),
+and ``Float16Module`` casts to fp32 the output of the chunks the map calls last
+(see ``_install_float16_placement``).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def install_predicates() -> None:
 
         PATCHES.patch(parallel_state, name, predicate, "(ignore_virtual=True, vp_stage=None)")
     _install_mtp_placement()
+    _install_float16_placement()
 
 
 def _install_mtp_placement() -> None:
@@ -107,3 +110,27 @@ def _install_mtp_placement() -> None:
         return stage_map.is_last(parallel_state.get_pipeline_model_parallel_rank(), vp_stage)
 
     PATCHES.patch(mtp, "is_vp_last_stage", is_vp_last_stage, "(vp_stage, vp_size)")
+
+
+def _install_float16_placement() -> None:
+    """fp16/bf16: Megatron's ``Float16Module`` casts the output of rank P-1's last chunk to fp32,
+    taking it for the loss stage. Under DualPipeV that chunk is the middle of the V, under
+    DualPipe direction 1's first stage: their output goes over p2p in the pipeline dtype. While
+    a stage map is active the cast applies to the chunks the map calls last, and only to them.
+    (Its first-stage input cast is left as is: it converts float inputs only, and a GPT first
+    stage takes token ids.)"""
+    from megatron.core.transformer.module import Float16Module, float16_to_fp32
+
+    if PATCHES.is_patched(Float16Module, "forward"):
+        return
+    original = Float16Module.forward
+
+    def forward(self, *inputs, fp32_output: bool = True, **kwargs):
+        stage_map = active_stage_map()
+        if stage_map is None:
+            return original(self, *inputs, fp32_output=fp32_output, **kwargs)
+        outputs = original(self, *inputs, fp32_output=False, **kwargs)
+        last = stage_map.is_last(parallel_state.get_pipeline_model_parallel_rank(), self.vp_stage or 0)
+        return float16_to_fp32(outputs) if fp32_output and last else outputs
+
+    PATCHES.patch(Float16Module, "forward", forward, "(self, *inputs, fp32_output=True, **kwargs)")
