@@ -264,6 +264,51 @@ def _install_compile() -> None:
     PATCHES.patch(torch._dynamo.config, "disable", True)
 
 
+# --- norms --------------------------------------------------------------------------------
+
+_WRAPPED_NORM = ("(cls, config, hidden_size, eps=1e-05, persist_layer_norm=False, "
+                 "zero_centered_gamma=False, normalization='LayerNorm')")
+
+
+class _NoSequenceParallel:
+    """``config`` as the torch norm wrapper's checks see it: sequence parallelism off."""
+
+    sequence_parallel = False
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _install_norms() -> None:
+    """Sequence parallelism with torch's LayerNorm/RMSNorm, the only local norms without Apex.
+
+    Under SP each TP rank normalizes its own sequence shard, so a norm's weight grads are partial
+    sums: Megatron's Apex and Transformer Engine norms mark their parameters ``sequence_parallel``
+    and ``finalize_model_grads`` sums them over the TP group. Its torch-norm wrapper refuses SP
+    instead of marking them; here it builds the same norm and marks them as those norms do.
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def sequence_parallel_norm(cls: type, config: Any, hidden_size: int, eps: float = 1e-5,
+                               persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                               normalization: str = "LayerNorm") -> torch.nn.Module:
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                         normalization)
+        norm = build(cls, _NoSequenceParallel(config), hidden_size, eps, persist_layer_norm,
+                     zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    PATCHES.patch(WrappedTorchNorm, "__new__", sequence_parallel_norm, _WRAPPED_NORM)
+
+
 # --- pretrain -----------------------------------------------------------------------------
 
 
@@ -280,11 +325,16 @@ _INITIALIZE_MEGATRON = (
 )
 
 
+# Blackwell: Megatron's first GPU generation without the CUDA_DEVICE_MAX_CONNECTIONS=1 demand.
+_NO_STREAM_ORDER_ARCH = 10
+
+
 def _install_pretrain() -> None:
-    """`megatron.training.pretrain()`: CUDA assert, GPU-count gated init, `make` at startup."""
+    """`megatron.training.pretrain()`: CUDA assert, GPU-count gated init, `make` at startup, and
+    argument validation's GPU-architecture query (asked whenever TP or CP > 1)."""
     try:
         from megatron.core.datasets import utils as dataset_utils
-        from megatron.training import training
+        from megatron.training import arguments, training
     except ImportError as exc:
         raise _Unavailable(f"megatron.training is not importable ({exc})") from exc
 
@@ -312,6 +362,9 @@ def _install_pretrain() -> None:
     PATCHES.patch(training, "initialize_megatron", initialize_megatron, _INITIALIZE_MEGATRON)
     PATCHES.patch(torch.cuda, "device_count", count_devices, [])
     PATCHES.patch(dataset_utils, "compile_helpers", compile_helpers, "()")
+    # CPU work runs in program order, so TP/CP need no single-connection CUDA stream ordering:
+    # answer as the architecture for which Megatron asks for none (only its arguments check asks).
+    PATCHES.patch(arguments, "get_device_arch_version", lambda: _NO_STREAM_ORDER_ARCH, "()")
 
 
 GROUPS: dict[str, Callable[[], None]] = {
@@ -322,6 +375,7 @@ GROUPS: dict[str, Callable[[], None]] = {
     "type_strings": _install_type_strings,
     "all_to_all": _install_all_to_all,
     "compile": _install_compile,
+    "norms": _install_norms,
     "pretrain": _install_pretrain,
 }
 

@@ -9,9 +9,15 @@ bias grad) now and files the weight-grad GEMM for the matching ``W``, which accu
 ``main_grad`` under Megatron DDP (as DDP's grad hook would) or into ``.grad`` otherwise.
 Outside a deferred backward the original runs unchanged.
 
-Not deferred (they fall back to the full backward): sequence parallelism, Megatron's own
-``wgrad_deferral_limit`` buffers and GTP weight re-materialisation. Transformer Engine layers
-defer through Megatron's ``delay_wgrad_compute`` instead (:mod:`.wgrad_te`).
+Under sequence parallelism the deferred backward all-gathers the input's sequence shards at
+``B``, in the order Megatron's backward issues its collectives (all-gather, then the input
+grad's reduce-scatter), into a tensor of its own that the filed GEMM keeps until ``W``: the
+full-sequence input stays alive between ``B`` and ``W`` (Megatron's shared all-gather buffer
+would be overwritten by then). The first such backward says so once, on global rank 0.
+
+Not deferred (they fall back to the full backward): Megatron's own ``wgrad_deferral_limit``
+buffers and GTP weight re-materialisation. Transformer Engine layers defer through Megatron's
+``delay_wgrad_compute`` instead (:mod:`.wgrad_te`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ _FORWARD = ("(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_
             "sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size)")
 _original: dict[str, Callable] = {}
 _zeros: dict[tuple, torch.Tensor] = {}
+_said: set[str] = set()
 
 
 def _placeholder_grad(weight: torch.Tensor, fusion: bool) -> torch.Tensor | None:
@@ -74,8 +81,30 @@ def _weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Te
 
 
 def _deferrable(ctx: Any) -> bool:
-    return (WeightGradStore.enabled and not ctx.sequence_parallel
-            and ctx.grad_output_buffer is None and ctx.gtp_remat_size <= 1)
+    return WeightGradStore.enabled and ctx.grad_output_buffer is None and ctx.gtp_remat_size <= 1
+
+
+def _gathered(shard: torch.Tensor, group: Any) -> torch.Tensor:
+    """The full sequence (dim 0) of every TP rank's shard, in a tensor that outlives this backward."""
+    full = shard.new_empty((shard.shape[0] * group.size(), *shard.shape[1:]))
+    torch.distributed.all_gather_into_tensor(full, shard.contiguous(), group=group)
+    return full
+
+
+def _scattered(full: torch.Tensor, group: Any) -> torch.Tensor:
+    """This TP rank's sequence shard of the sum of every rank's ``full`` (the input grad under SP)."""
+    shard = full.new_empty((full.shape[0] // group.size(), *full.shape[1:]))
+    torch.distributed.reduce_scatter_tensor(shard, full.contiguous(), group=group)
+    return shard
+
+
+def _announce_sequence_parallel() -> None:
+    """Say once per process, on global rank 0, that SP linears defer (and what that keeps alive)."""
+    if "sp" in _said or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    _said.add("sp")
+    print("DualPipe weight-grad split: sequence-parallel linears defer their weight grads to W, "
+          "each keeping its all-gathered input from B until then", flush=True)
 
 
 def _forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -97,7 +126,12 @@ def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     weight = ctx.dualpipe_weight
     if ctx.gradient_accumulation_fusion:
         weight.main_grad = ctx.main_grad
+    if ctx.sequence_parallel:
+        _announce_sequence_parallel()
+        input = _gathered(input, ctx.tp_group)
     grad_input = grad_output.matmul(saved_weight)
+    if ctx.sequence_parallel:
+        grad_input = _scattered(grad_input, ctx.tp_group)
     handle = (torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
               if ctx.allreduce_dgrad else None)
     grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, input)
