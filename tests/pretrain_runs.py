@@ -16,8 +16,8 @@ from pathlib import Path
 from launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-PRETRAIN = REPO / "scripts" / "pretrain_gpt.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+FORK_LAUNCH = Path(__file__).with_name("fork_launch.py")
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
 # Evaluation during training, then on the validation and test sets after it.
@@ -45,8 +45,11 @@ def run(name: str, out: Path, nproc: int, args: list[str], command: list[str] | 
     Without ``mock_data`` the job reads what ``args`` name (``--data-path ...``)."""
     log = out / f"{name}.log"
     data = DATA if mock_data else [flag for flag in DATA if flag != "--mock-data"]
-    cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           *(command or [str(PRETRAIN)]), *MODEL, *CPU, *data, *args]
+    # Our script goes through the forking launcher (one import for every rank); another
+    # entry point (``command``) through torchrun, as a user would start it.
+    launch = ([str(TORCHRUN), f"--nproc-per-node={nproc}", f"--master-port={free_port()}", *command]
+              if command else [sys.executable, str(FORK_LAUNCH), str(nproc), str(free_port())])
+    cmd = [*launch, *MODEL, *CPU, *data, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DUALPIPE_MOCK_DOCUMENTS": "64"}
     with log.open("w") as fh:
         code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,

@@ -26,6 +26,8 @@ def _samples() -> dict[str, object]:
     import torch._dynamo
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.training import arguments
 
     return {
         "current_device": torch.cuda.current_device,
@@ -37,6 +39,8 @@ def _samples() -> dict[str, object]:
         "all_to_all_single": torch.distributed.all_to_all_single,
         "dynamo disable": torch._dynamo.config.disable,
         "compile_helpers": dataset_utils.compile_helpers,
+        "WrappedTorchNorm.__new__": vars(WrappedTorchNorm).get("__new__"),
+        "get_device_arch_version": arguments.get_device_arch_version,
     }
 
 
