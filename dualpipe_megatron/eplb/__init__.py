@@ -1,0 +1,12 @@
+"""Expert-parallel load balancing (EPLB): where each MoE expert's replicas live.
+
+:func:`rebalance_experts` is a planner API-compatible with DeepSeek's
+``eplb.rebalance_experts`` (same arguments, same ``(phy2log, log2phy, logcnt)``
+for the same inputs); :func:`adopt` guards it, keeping the current placement
+unless the plan is predicted to lower the per-GPU max/mean load by a threshold.
+"""
+
+from .guard import adopt, gpu_loads, imbalance
+from .planner import rebalance_experts
+
+__all__ = ["adopt", "gpu_loads", "imbalance", "rebalance_experts"]
