@@ -216,8 +216,8 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
 
 def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronStep,
                 force_all_reduce: bool | None) -> list:
-    """Sum tied and mirrored grads, let Megatron finalize, and relay the loss reports (and the MTP
-    losses) to the last pipeline rank, where Megatron's training log reads them."""
+    """Sum tied and mirrored grads, let Megatron finalize, replay the MTP metrics on every pipeline
+    rank, and relay the loss reports to the last one, where Megatron's training log reads them."""
     sp, config = step_plan, step_plan.config
     if not sp.forward_only:
         sum_tied_embedding_grads(sp.chunks, sp.stage_map, sp.rank)
@@ -235,7 +235,7 @@ def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronSte
                 pg_collection=sp.pg_collection, force_all_reduce=force_all_reduce,
             )
         if step.mtp_records is not None:
-            replay_mtp_metrics(step.mtp_records, sp.group, step.num_tokens.device)  # the model's device
+            replay_mtp_metrics(step.mtp_records, sp.group, step.num_tokens.device)  # made on the model's device
     return _relay_to_last_rank(sp.sched, sp.rank, step, sp.group)
 
 
