@@ -16,6 +16,7 @@ import socket
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable, Collection
 
 import torch
@@ -37,6 +38,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _leave_together(rank: int, world: int) -> None:
+    """Rank 0 hosts the TCP store: it waits (bounded) until every peer is done with it before
+    exiting, since a peer may still be reading the strict NCCL check's last call logs (CI once
+    saw 'Connection reset by peer' there). Peers only announce themselves and go."""
+    if not dist.is_initialized():
+        return
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.set(f"runtime_workers/leaving/{rank}", "1")
+        if rank == 0:
+            store.wait([f"runtime_workers/leaving/{r}" for r in range(1, world)], timedelta(seconds=20))
+    except RuntimeError:  # a peer died or the store is gone: nothing left to protect
+        pass
+
+
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
     try:
@@ -48,6 +64,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
         result = ("error", traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    _leave_together(rank, world)
     # Skip interpreter teardown: a rank that gave up on a peer may still have receives posted.
     os._exit(0)
 
