@@ -66,6 +66,18 @@ def active_options() -> DualPipeOptions | None:
     return _state["options"]
 
 
+# Other features' flags (EPLB), parsed and checked through our argument hooks so that both the
+# runtime patches and the upstream plugin route carry them: (add_arguments, validate) pairs.
+_EXTRA_ARGUMENTS: list[tuple[Callable[[argparse.ArgumentParser], Any], Callable[[argparse.Namespace], None]]] = []
+
+
+def register_arguments(add: Callable[[argparse.ArgumentParser], Any],
+                       validate: Callable[[argparse.Namespace], None]) -> None:
+    """Add a feature's flags to Megatron's parser and check them after Megatron's validation."""
+    if (add, validate) not in _EXTRA_ARGUMENTS:
+        _EXTRA_ARGUMENTS.append((add, validate))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("dualpipe", "DualPipe / DualPipeV pipeline schedules")
     group.add_argument(
@@ -105,6 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "end, p2p wait) into one file per process in DIR (use a fresh DIR per run); "
              "'python -m dualpipe_megatron.trace merge|analyze|draw DIR' turns them into a "
              "Chrome/Perfetto trace, the measured bubbles and a timeline figure.")
+    for add, _ in _EXTRA_ARGUMENTS:
+        add(parser)
     return parser
 
 
@@ -124,6 +138,8 @@ def pre_validate(args: argparse.Namespace) -> None:
 
 
 def post_validate(args: argparse.Namespace) -> None:
+    for _, validate in _EXTRA_ARGUMENTS:
+        validate(args)
     schedule = args.pipeline_schedule
     if schedule == "1f1b" and args.virtual_pipeline_model_parallel_size is not None:
         raise ValueError("--pipeline-schedule 1f1b conflicts with a virtual pipeline size; "
@@ -267,4 +283,4 @@ def uninstall() -> None:
 
 __all__ = ["CHOICES", "PATCHES", "activate_job_stage_map", "active_options", "add_arguments",
            "check_checkpoint_schedule", "install", "pipeline_position", "post_validate",
-           "pre_validate", "uninstall"]
+           "pre_validate", "register_arguments", "uninstall"]

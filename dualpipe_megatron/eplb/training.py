@@ -1,0 +1,390 @@
+"""EPLB in ``megatron.training``: the flags, the per-iteration statistics and the re-placement.
+
+:func:`install` patches, once and guarded (its own :class:`PatchSet`), these call-time lookups:
+
+- ``training.train_step``: the first call finds the MoE layers and hooks their routers; after
+  every step, :class:`EplbController` sums the step's token counts over all ranks, logs
+  them and, every ``--eplb-interval`` steps, re-places experts;
+- ``training.save_checkpoint``: saves experts in logical order (placement undone around the
+  save) and writes ``eplb.json`` (statistics and placement) into the checkpoint directory;
+- ``training.load_checkpoint``: reads that file back, restored at the first step;
+- ``MoEMetricsTracker.report``: reports ``eplb_max_mean_load`` with Megatron's MoE metrics.
+
+It works the same under every pipeline schedule: nothing here depends on which one runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..megatron.guard import PatchSet, check_private_symbols, check_version
+from ..megatron.training_support import register_arguments
+from .experts import LayerKey, MoELayerHandle, find_moe_layers, install_router_hook, take_counts
+from .guard import adopt, gpu_loads
+from .moves import move_experts
+from .optimizer_state import PRIVATE_CALLS, OptimizerTensors
+from .placement import align, as_plan, identity
+from .planner import rebalance_experts
+from .stats import LoadStats
+
+PATCHES = PatchSet("EPLB")
+METRIC = "eplb_max_mean_load"
+STATS_FILE_NAME = "eplb.json"
+
+_state: dict[str, Any] = {"controller": None, "loaded": None}
+
+
+@dataclass(frozen=True)
+class EplbOptions:
+    interval: int
+    window: int
+    threshold: float
+    stats_file: str | None
+
+    @property
+    def collecting(self) -> bool:
+        return self.interval > 0 or self.stats_file is not None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("eplb", "Expert-parallel load balancing (dualpipe_megatron.eplb)")
+    group.add_argument(
+        "--eplb-interval", type=int, default=0,
+        help="Every N iterations, plan a placement of each MoE layer's experts over the EP ranks "
+             "from the measured load (DeepSeek's EPLB algorithm) and, if adopted, move the experts' "
+             "weights and optimizer state there; the model computes the same function. 0: off.")
+    group.add_argument(
+        "--eplb-window", type=int, default=10,
+        help="Iterations of expert load the plan averages (moving window; default 10).")
+    group.add_argument(
+        "--eplb-threshold", type=float, default=0.02,
+        help="Adopt a layer's new placement only if it lowers the predicted max/mean tokens per EP "
+             "rank by at least this much (default 0.02).")
+    group.add_argument(
+        "--eplb-stats-file", default=None, metavar="FILE",
+        help="Collect expert load (also without --eplb-interval) and write it to FILE as JSON every "
+             "--log-interval iterations; 'python -m dualpipe_megatron.eplb stats|plan' reads it.")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> EplbOptions:
+    return EplbOptions(args.eplb_interval, args.eplb_window, args.eplb_threshold, args.eplb_stats_file)
+
+
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """Everything EPLB cannot run with, as messages (empty: fine)."""
+    options = options_from_args(args)
+    problems = []
+    if options.interval < 0:
+        problems.append(f"--eplb-interval must be >= 0, got {options.interval}")
+    if options.window < 1:
+        problems.append(f"--eplb-window must be >= 1, got {options.window}")
+    if options.threshold < 0:
+        problems.append(f"--eplb-threshold must be >= 0, got {options.threshold}")
+    if not options.collecting:
+        return problems
+    if not getattr(args, "num_experts", None):
+        problems.append("--eplb-interval/--eplb-stats-file need an MoE model (--num-experts)")
+        return problems
+    if options.interval > 0:
+        if args.expert_model_parallel_size < 2:
+            problems.append("--eplb-interval needs --expert-model-parallel-size > 1 (there is nothing to re-place)")
+        if getattr(args, "async_save", False):
+            problems.append("--eplb-interval with --async-save is not supported (the save reads experts "
+                            "after the placement is restored)")
+        if args.use_distributed_optimizer and getattr(args, "overlap_param_gather", False):
+            problems.append("--eplb-interval with --overlap-param-gather is not supported")
+        if getattr(args, "moe_token_dispatcher_type", "alltoall") not in ("alltoall", "allgather"):
+            problems.append("--eplb-interval supports the alltoall and allgather token dispatchers")
+    return problems
+
+
+# -- the controller --------------------------------------------------------------------------------
+
+
+def _layer_number(key: LayerKey, num_layers: int) -> int:
+    """Global 1-based MoE layer number: decoder layers, then MTP layers (Megatron's tracker order)."""
+    kind, number = key
+    return number if kind == "decoder" else num_layers + number
+
+
+def _imbalance_per_layer(placement: torch.Tensor, load: torch.Tensor, ep_size: int) -> torch.Tensor:
+    per_rank = gpu_loads(as_plan(placement), load, ep_size)
+    mean = per_rank.mean(dim=1)
+    return torch.where(mean > 0, per_rank.max(dim=1).values / mean.clamp_min(1e-30), torch.ones_like(mean))
+
+
+def _overall(placement: torch.Tensor, load: torch.Tensor, ep_size: int) -> float:
+    """Step-level max/mean: sum over layers of the busiest rank / sum of the mean rank."""
+    per_rank = gpu_loads(as_plan(placement), load, ep_size)
+    mean = float(per_rank.mean(dim=1).sum())
+    return float(per_rank.max(dim=1).values.sum()) / mean if mean > 0 else 1.0
+
+
+class EplbController:
+    """EPLB for one training job on this rank: counts, statistics, placement and moves."""
+
+    def __init__(self, options: EplbOptions, args: argparse.Namespace, model: list[torch.nn.Module],
+                 optimizer: Any) -> None:
+        self.options = options
+        self.args = args
+        self.handles = find_moe_layers(model)
+        local_keys = sorted({h.key for h in self.handles})
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local_keys)
+        self.keys: list[LayerKey] = sorted({tuple(k) for keys in gathered for k in keys},
+                                           key=lambda k: _layer_number(k, args.num_layers))
+        self.row = {k: i for i, k in enumerate(self.keys)}
+        self.num_experts = args.num_experts
+        self.ep_size = args.expert_model_parallel_size
+        self.layer_numbers = [_layer_number(k, args.num_layers) for k in self.keys]
+        self.stats = LoadStats(self.layer_numbers, self.num_experts, options.window)
+        self.placement = identity(len(self.keys), self.num_experts)
+        self.optimizer = optimizer
+        self.states: OptimizerTensors | None = None  # built at the first move
+        self.device = next(model[0].parameters()).device
+        self.pending: str | None = None
+        for handle in self.handles:
+            install_router_hook(handle)
+
+    # -- per step ------------------------------------------------------------------------------
+    def _step_counts(self) -> torch.Tensor:
+        """This step's tokens per logical expert, ``[layers, experts]``, summed over every rank."""
+        counts = torch.zeros(len(self.keys), self.num_experts, dtype=torch.int64)
+        for handle in self.handles:
+            counts[self.row[handle.key]] += take_counts(handle)
+        counts = counts.to(self.device)
+        dist.all_reduce(counts)
+        duplicates = 1 if self.args.sequence_parallel else self.args.tensor_model_parallel_size
+        return counts.cpu() // duplicates  # TP ranks without SP route the same tokens
+
+    def after_step(self, iteration: int) -> None:
+        counts = self._step_counts()
+        self.stats.add(counts)
+        measured = _imbalance_per_layer(self.placement, counts.double(), self.ep_size)
+        self._record_metric(measured)
+        if self.pending is not None:
+            _print_last(f"{self.pending}, measured {_overall(self.placement, counts.double(), self.ep_size):.3f} "
+                        f"(iteration {iteration})")
+            self.pending = None
+        interval = self.options.interval
+        if interval and iteration % interval == 0 and iteration < self.args.train_iters:
+            self.replace(iteration)
+        if self.options.stats_file and (iteration % self.args.log_interval == 0
+                                        or iteration == self.args.train_iters):
+            self.write_stats(self.options.stats_file, iteration)
+
+    def replace(self, iteration: int) -> None:
+        """Plan from the window's average load, keep what the guard rejects, move the rest."""
+        load = self.stats.average()
+        new = self.placement.clone()
+        for row in range(len(self.keys)):
+            phy2log = rebalance_experts(load[row:row + 1], self.num_experts, 1, 1, self.ep_size)[0][0]
+            proposed = align(self.placement[row], phy2log, self.ep_size)
+            chosen = adopt(as_plan(self.placement[row:row + 1]), as_plan(proposed[None]), load[row:row + 1],
+                           self.options.threshold, num_gpus=self.ep_size)
+            new[row] = chosen[0][0]
+        before = _overall(self.placement, load, self.ep_size)
+        predicted = _overall(new, load, self.ep_size)
+        changed = (new != self.placement)
+        moved, layers = int(changed.sum()), int(changed.any(dim=1).sum())
+        self.apply(new)
+        head = (f"EPLB iteration {iteration}: moved {moved} experts in {layers} of {len(self.keys)} MoE layers; "
+                f"max/mean tokens per EP rank (window of {len(self.stats.history)}): before {before:.3f}, "
+                f"predicted {predicted:.3f}")
+        if moved:
+            self.pending = head
+        else:
+            _print_last(f"{head} (kept: gain below --eplb-threshold {self.options.threshold:g})")
+
+    def apply(self, placement: torch.Tensor) -> None:
+        """Move this rank's experts to ``placement`` (collective over EP and expert-DP groups)."""
+        if self.states is None:
+            self.states = OptimizerTensors(self.optimizer)
+        for handle in self.handles:
+            move_experts(handle, placement[self.row[handle.key]], self.states)
+        self.placement = placement.clone()
+
+    @property
+    def placed(self) -> bool:
+        return not torch.equal(self.placement, identity(len(self.keys), self.num_experts))
+
+    def _record_metric(self, measured: torch.Tensor) -> None:
+        """Per-layer max/mean tokens per EP rank into Megatron's MoE tracker (pipeline rank 0
+        records; the tracker sums over the pipeline and averages over data parallel)."""
+        from megatron.core import parallel_state
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        if parallel_state.get_pipeline_model_parallel_rank() != 0:
+            return
+        tracker = get_moe_metrics_tracker()
+        size = self.args.num_layers + (self.args.mtp_num_layers or 0)
+        scale = get_num_microbatches()  # report() multiplies by 1 / micro-batches
+        for number, value in zip(self.layer_numbers, measured.tolist()):
+            tracker.record(METRIC, torch.tensor(value * scale, device=self.device), number, size)
+
+    # -- files -------------------------------------------------------------------------------
+    def write_stats(self, path: str, iteration: int) -> None:
+        if dist.get_rank() == dist.get_world_size() - 1 and not self.stats.empty:
+            self.stats.save(path, iteration, self.placement, self.ep_size)
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Statistics and placement from a checkpoint's ``eplb.json`` (if they fit this model)."""
+        if saved["layers"] != self.layer_numbers or saved["num_experts"] != self.num_experts:
+            _print_last(f"EPLB: ignoring the checkpoint's statistics (layers {saved['layers']} x "
+                        f"{saved['num_experts']} experts; this model {self.layer_numbers} x {self.num_experts})")
+            return
+        for counts in saved["history"][-self.options.window:]:
+            self.stats.add(torch.tensor(counts, dtype=torch.float64))
+        placement = saved.get("placement")
+        restored = "Megatron's placement"
+        if self.options.interval > 0 and placement is not None and saved.get("ep_size") == self.ep_size:
+            self.apply(torch.tensor(placement, dtype=torch.int64))
+            restored = f"its placement ({int((self.placement != identity(*self.placement.shape)).sum())} experts moved)"
+        _print_last(f"EPLB: resumed with {len(self.stats.history)} iterations of the checkpoint's expert load "
+                    f"and {restored}")
+
+
+def _print_last(message: str) -> None:
+    from megatron.training.utils import print_rank_last
+
+    print_rank_last(message)
+
+
+# -- hooks -----------------------------------------------------------------------------------------
+
+
+def _options() -> EplbOptions | None:
+    from megatron.training.global_vars import get_args
+
+    options = options_from_args(get_args())
+    return options if options.collecting else None
+
+
+def _train_step(original: Callable, forward_step_func: Any, data_iterator: Any, model: list, optimizer: Any,
+                *args: Any, **kwargs: Any) -> Any:
+    controller = _state["controller"]
+    if controller is None and (options := _options()) is not None:
+        from megatron.training.global_vars import get_args
+
+        controller = _state["controller"] = EplbController(options, get_args(), model, optimizer)
+        if _state["loaded"] is not None:
+            controller.restore(_state["loaded"])
+    result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+    if controller is not None:
+        from megatron.training.global_vars import get_args
+
+        controller.after_step(get_args().curr_iteration + 1)
+    return result
+
+
+def _save_checkpoint(original: Callable, iteration: int, *args: Any, **kwargs: Any) -> Any:
+    controller: EplbController | None = _state["controller"]
+    if controller is None:
+        return original(iteration, *args, **kwargs)
+    placement = controller.placement.clone()
+    if controller.placed:
+        controller.apply(identity(len(controller.keys), controller.num_experts))
+    try:
+        result = original(iteration, *args, **kwargs)
+    finally:
+        if not torch.equal(placement, controller.placement):
+            controller.apply(placement)
+    if not kwargs.get("non_persistent_ckpt") and dist.get_rank() == 0 and not controller.stats.empty:
+        from megatron.training.checkpointing import get_checkpoint_name
+        from megatron.training.global_vars import get_args
+
+        directory = get_checkpoint_name(get_args().save, iteration, return_base_dir=True)
+        controller.stats.save(os.path.join(directory, STATS_FILE_NAME), iteration, placement, controller.ep_size)
+    return result
+
+
+def _load_checkpoint(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    result = original(*args, **kwargs)
+    from megatron.training.checkpointing import get_checkpoint_name
+    from megatron.training.global_vars import get_args
+
+    megatron_args = get_args()
+    iteration = result[0] if isinstance(result, tuple) else 0
+    load_dir = getattr(megatron_args, kwargs.get("load_arg", "load"), None)
+    if iteration and load_dir and options_from_args(megatron_args).collecting:
+        path = os.path.join(get_checkpoint_name(load_dir, iteration, return_base_dir=True), STATS_FILE_NAME)
+        if os.path.exists(path):
+            _state["loaded"] = json.loads(open(path).read())
+    return result
+
+
+def _report(original: Callable, self: Any, *args: Any, track_names: Any = None, **kwargs: Any) -> Any:
+    if track_names is not None and _state["controller"] is not None:
+        names = [track_names] if isinstance(track_names, str) else list(track_names)
+        track_names = names + [METRIC]
+    return original(self, *args, track_names=track_names, **kwargs)
+
+
+def validate(args: argparse.Namespace) -> None:
+    problems = argument_problems(args)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _bind(original: Callable, hook: Callable) -> Callable:
+    @functools.wraps(original)
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return hook(original, *args, **kwargs)
+    return patched
+
+
+def install() -> None:
+    """Patch ``megatron.training`` for the ``--eplb-*`` flags (idempotent, version-checked); the
+    flags themselves go through the schedule's argument hooks (``register_arguments``)."""
+    check_version()
+    check_private_symbols(PRIVATE_CALLS)
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+    from megatron.training import training
+
+    register_arguments(add_arguments, validate)
+    for owner, name, hook in (
+        (training, "train_step", _train_step),
+        (training, "save_checkpoint", _save_checkpoint),
+        (training, "load_checkpoint", _load_checkpoint),
+        (MoEMetricsTracker, "report", _report),
+    ):
+        if not PATCHES.is_patched(owner, name):
+            PATCHES.patch(owner, name, _bind(getattr(owner, name), hook), SIGNATURES[name])
+
+
+SIGNATURES = {
+    "train_step": "(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, "
+                  "forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None)",
+    "save_checkpoint": "(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, "
+                       "checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None, "
+                       "pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False, "
+                       "train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False, "
+                       "tp_group=None, pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None, "
+                       "rng_state_key_prefix='')",
+    "load_checkpoint": "(ddp_model, optimizer, opt_param_scheduler, load_arg='load', strict=True, "
+                       "checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None, "
+                       "pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None, "
+                       "rng_state_key_prefix='')",
+    "report": "(self, loss_scale, iteration, writer=None, wandb_writer=None, per_layer_logging=False, "
+              "force_initialize=False, track_names=None, num_layers=None, moe_layer_freq=None, "
+              "mtp_num_layers=None, total_loss_dict=None, percentiles=None, pg_collection=None)",
+}
+
+
+def uninstall() -> None:
+    PATCHES.restore()
+    _state.update(controller=None, loaded=None)
+
+
+__all__ = ["METRIC", "PATCHES", "EplbController", "EplbOptions", "add_arguments", "argument_problems",
+           "install", "options_from_args", "uninstall", "validate"]
