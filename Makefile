@@ -30,6 +30,7 @@ bench: setup
 	$(PY) bench/bench_runtime.py
 	$(PY) bench/trace_overhead.py
 	$(PY) bench/profiler_ranges_overhead.py
+	$(PY) bench/eplb_balance.py
 	$(PY) -m dualpipe_megatron.projection measure -o bench/results/cpu_op_costs.json
 	$(PY) -m dualpipe_megatron.projection project --op-costs bench/results/cpu_op_costs.json \
 		--tflops 400 --json bench/results/projection.json

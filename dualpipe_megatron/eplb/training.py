@@ -294,11 +294,10 @@ def _save_checkpoint(original: Callable, iteration: int, *args: Any, **kwargs: A
     placement = controller.placement.clone()
     if controller.placed:
         controller.apply(identity(len(controller.keys), controller.num_experts))
-    try:
-        result = original(iteration, *args, **kwargs)
-    finally:
-        if not torch.equal(placement, controller.placement):
-            controller.apply(placement)
+    # A failed save propagates as it is: moving back would start collectives its peers may never join.
+    result = original(iteration, *args, **kwargs)
+    if not torch.equal(placement, controller.placement):
+        controller.apply(placement)
     if not kwargs.get("non_persistent_ckpt") and dist.get_rank() == 0 and not controller.stats.empty:
         from megatron.training.checkpointing import get_checkpoint_name
         from megatron.training.global_vars import get_args

@@ -1,0 +1,147 @@
+"""EPLB re-placement in Megatron training through ``scripts/pretrain_gpt.py`` (4 CPU processes, gloo).
+
+MoE GPT: 8 layers, 8 experts, top-2, alltoall dispatcher, aux loss on, RoPE, untied output layer
+(as DeepSeek-V3; a tied one cannot be saved under DualPipeV with data parallel > 1, see
+docs/eplb.md); 8 iterations, M=8 micro-batches. With ``--eplb-interval 2 --eplb-threshold 0`` experts are re-placed after
+iterations 2, 4 and 6 (not after the last one): their weights and Adam state move between EP
+ranks and the router's output is remapped, so every iteration's ``lm loss`` must equal the same
+run without EPLB (relative 1e-5; the combine sums each token's expert outputs in another order)
+and grad norms to 1e-4. Runs:
+
+- EP=2 x P=2 under Megatron's 1F1B with the distributed optimizer, and under DualPipeV with the
+  plain optimizer (both schedules, both optimizer kinds);
+- EP=4 x P=1 (Megatron's no-pipelining schedule: the only way to EP=4 in 4 processes);
+- the DualPipeV run saves a checkpoint at iteration 4, right after a move; it resumes *without*
+  EPLB and *with* EPLB (placement and statistics restored), both continuing the uninterrupted
+  run's losses. The checkpoint holds experts in Megatron's order plus ``eplb.json`` (statistics
+  and the placement). (Resuming the distributed optimizer's checkpoint fails in Megatron 0.19.2
+  without Transformer Engine or apex, EPLB or not: ``DistributedOptimizer.state_dict`` asserts
+  one Adam ``step`` over an empty state, so the 1F1B run does not save.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pretrain_runs import TRAIN, RunFailed, grad_norms, logged, losses, run
+
+from dualpipe_megatron.eplb.stats import read_stats_file
+
+MOE = ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2 "
+       "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights").split()
+EP2_P2 = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+EP4 = ["--expert-model-parallel-size", "4"]
+EPLB = ["--eplb-interval", "2", "--eplb-window", "4", "--eplb-threshold", "0"]
+ITERS, RESUME_FROM = 8, 4
+LOSS_RTOL, NORM_RTOL = 1e-5, 1e-4
+MOVED = re.compile(r"^EPLB iteration (\d+): moved (\d+) experts .* predicted ([0-9.]+)(?:, measured ([0-9.]+))?",
+                   re.MULTILINE)
+RESUMED = re.compile(r"^EPLB: resumed with (\d+) iterations of the checkpoint's expert load and (.*)$", re.MULTILINE)
+
+ONE_F_ONE_B = [*EP2_P2, "--pipeline-schedule", "1f1b", "--use-distributed-optimizer"]
+DUALPIPEV = [*EP2_P2, "--pipeline-schedule", "dualpipev"]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("eplb_training")
+    common = [*MOE, *TRAIN, "--train-iters", str(ITERS)]
+
+    def stats(name: str) -> list[str]:
+        return ["--eplb-stats-file", str(out / f"{name}_stats.json")]
+
+    resume = ["--load", str(out / "ckpt"), "--ckpt-step", str(RESUME_FROM)]  # it saves 4 and 8
+    runs = {
+        "1f1b": ONE_F_ONE_B,
+        "1f1b_eplb": [*ONE_F_ONE_B, *EPLB, *stats("1f1b_eplb")],
+        "dualpipev": DUALPIPEV,
+        "dualpipev_eplb": [*DUALPIPEV, *EPLB, *stats("dualpipev_eplb"), "--save", str(out / "ckpt"),
+                           "--save-interval", str(RESUME_FROM)],
+        "dualpipev_eplb_resumed_without_eplb": [*DUALPIPEV, *resume],
+        "dualpipev_eplb_resumed_with_eplb": [*DUALPIPEV, *EPLB, *resume],
+        "ep4": EP4,
+        "ep4_eplb": [*EP4, *EPLB],
+    }
+    got: dict[str, Any] = {"out": out}
+    try:
+        for name, args in runs.items():
+            log = run(name, out, 4, [*common, *args])
+            got[name] = {"log": log, "loss": losses(log), "grad_norm": grad_norms(log),
+                         "metric": logged(log, "eplb_max_mean_load"),
+                         "moves": [(int(i), int(n), float(p), m) for i, n, p, m in MOVED.findall(log)],
+                         "resumed": RESUMED.findall(log)}
+    except RunFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return got
+
+
+def _equal(got: dict[int, float], want: dict[int, float], rtol: float, what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: iterations {sorted(got)} vs {sorted(want)}"
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=rtol), f"{what}, iteration {it}: {got[it]} vs {want[it]}"
+
+
+@pytest.mark.parametrize("reference", ["1f1b", "dualpipev", "ep4"])
+def test_replacement_keeps_losses(jobs: dict[str, Any], reference: str) -> None:
+    plain, eplb = jobs[reference], jobs[f"{reference}_eplb"]
+    assert sorted(plain["loss"]) == list(range(1, ITERS + 1))
+    _equal(eplb["loss"], plain["loss"], LOSS_RTOL, f"{reference} lm loss with EPLB")
+    _equal(eplb["grad_norm"], plain["grad_norm"], NORM_RTOL, f"{reference} grad norm with EPLB")
+    # Re-planned after iterations 2, 4, 6; experts really moved, and each move was measured.
+    moves = eplb["moves"]
+    assert [m[0] for m in moves] == [2, 4, 6], eplb["log"][-3000:]
+    assert all(n > 0 for _, n, _, _ in moves), moves
+    assert all(m for *_, m in moves), f"a move without its measured load: {moves}"
+    # The load metric is logged every iteration with EPLB, and not at all without it.
+    assert sorted(eplb["metric"]) == list(range(1, ITERS + 1)) and all(v >= 1 for v in eplb["metric"].values())
+    assert not plain["metric"]
+
+
+def _after_resume(full: dict[int, float]) -> dict[int, float]:
+    """The uninterrupted run's losses as the resumed run logs them: Megatron's second log line
+    after a resume averages two iterations (see test_megatron_training.py)."""
+    first, second = RESUME_FROM + 1, RESUME_FROM + 2
+    want = {i: full[i] for i in range(first, ITERS + 1)}
+    want[second] = (full[first] + full[second]) / 2
+    return want
+
+
+def test_checkpoint_after_a_move_resumes_without_eplb(jobs: dict[str, Any]) -> None:
+    resumed, full = jobs["dualpipev_eplb_resumed_without_eplb"], jobs["dualpipev_eplb"]
+    _equal(resumed["loss"], _after_resume(full["loss"]), LOSS_RTOL, "resumed lm loss")
+    _equal(resumed["grad_norm"], {i: full["grad_norm"][i] for i in range(RESUME_FROM + 1, ITERS + 1)},
+           NORM_RTOL, "resumed grad norm")
+    assert not resumed["moves"] and not resumed["resumed"]
+
+
+def test_checkpoint_resumes_with_eplb_restoring_its_placement(jobs: dict[str, Any]) -> None:
+    resumed, full = jobs["dualpipev_eplb_resumed_with_eplb"], jobs["dualpipev_eplb"]
+    _equal(resumed["loss"], _after_resume(full["loss"]), LOSS_RTOL, "resumed lm loss")
+    [(window, placement)] = resumed["resumed"]
+    assert int(window) == RESUME_FROM and "experts moved" in placement, placement
+    assert [m[0] for m in resumed["moves"]] == [6]
+
+
+def test_checkpoint_holds_load_and_placement(jobs: dict[str, Any]) -> None:
+    out: Path = jobs["out"]
+    saved = json.loads((out / "ckpt" / f"iter_{RESUME_FROM:07d}" / "eplb.json").read_text())
+    assert saved["iteration"] == RESUME_FROM and saved["layers"] == list(range(1, 9))
+    assert len(saved["history"]) == RESUME_FROM  # window 4, iterations 1-4
+    placement = saved["placement"]
+    assert any(row != list(range(8)) for row in placement), "no move before the save"
+    assert all(sorted(row) == list(range(8)) for row in placement)
+    # Top-2 routing of 16 samples x 8 tokens: every layer routes 2 x 128 tokens per iteration.
+    assert all(sum(layer) == 256 for counts in saved["history"] for layer in counts)
+
+
+@pytest.mark.parametrize("name", ["1f1b_eplb", "dualpipev_eplb"])
+def test_stats_file(jobs: dict[str, Any], name: str) -> None:
+    stats, whole = read_stats_file(jobs["out"] / f"{name}_stats.json")
+    assert whole["iteration"] == ITERS and len(stats.history) == 4 and whole["ep_size"] == 2
+    assert stats.layers == list(range(1, 9)) and all(sum(layer) == 256 for layer in whole["history"][-1])
+    assert whole["placement"] != [list(range(8))] * 8
