@@ -33,7 +33,7 @@ LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
 REPO_PATH = re.compile(r"(?<![\w./$-])((?:scripts|tests|bench|docs|patches|dualpipe_megatron)/[\w./*-]*[\w*/])")
 GENERATED = ("bench/results/", "outputs/")
-OUR_FLAG = re.compile(r"--(?:no-)?dualpipe-[a-z0-9-]+|--pipeline-schedule\b")
+OUR_FLAG = re.compile(r"--(?:no-)?dualpipe-[a-z0-9-]+|--pipeline-schedule\b|--eplb-[a-z0-9-]+")
 FLAG = re.compile(r"^(--?[A-Za-z][\w-]*)")
 PYTHONS = {"python", "python3", ".venv/bin/python", "$(PY)"}
 SEPARATORS = {"&&", "||", ";", "|"}
@@ -94,10 +94,12 @@ def option_literals(path: Path) -> set[str]:
 
 @functools.cache
 def our_flags() -> frozenset[str]:
-    """Options ``training_support.add_arguments`` defines (read from its source)."""
-    tree = ast.parse(text(ROOT / "dualpipe_megatron" / "megatron" / "training_support.py"))
+    """Options ``training_support.add_arguments`` and EPLB's ``add_arguments`` define (read from
+    their sources)."""
+    trees = [ast.parse(text(ROOT / "dualpipe_megatron" / path))
+             for path in ("megatron/training_support.py", "eplb/training.py")]
     return frozenset(
-        arg.value for node in ast.walk(tree)
+        arg.value for tree in trees for node in ast.walk(tree)
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
         for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("--"))
 

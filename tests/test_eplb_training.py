@@ -1,8 +1,8 @@
 """EPLB re-placement in Megatron training through ``scripts/pretrain_gpt.py`` (4 CPU processes, gloo).
 
-MoE GPT: 8 layers, 8 experts, top-2, alltoall dispatcher, aux loss on, RoPE, untied output layer
-(as DeepSeek-V3; a tied one cannot be saved under DualPipeV with data parallel > 1, see
-docs/eplb.md); 8 iterations, M=8 micro-batches. With ``--eplb-interval 2 --eplb-threshold 0`` experts are re-placed after
+MoE GPT: 8 layers, 8 experts, top-2, alltoall dispatcher, aux loss on, RoPE, tied output layer
+(its copy shares rank 0 with the embedding under DualPipeV: the save at data parallel 2 also
+checks that the flag turns Megatron's fully parallel save off); 8 iterations, M=8 micro-batches. With ``--eplb-interval 2 --eplb-threshold 0`` experts are re-placed after
 iterations 2, 4 and 6 (not after the last one): their weights and Adam state move between EP
 ranks and the router's output is remapped, so every iteration's ``lm loss`` must equal the same
 run without EPLB (relative 1e-5; the combine sums each token's expert outputs in another order)
@@ -33,7 +33,7 @@ from pretrain_runs import TRAIN, RunFailed, grad_norms, logged, losses, run
 from dualpipe_megatron.eplb.stats import read_stats_file
 
 MOE = ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2 "
-       "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights").split()
+       "--disable-bias-linear --position-embedding-type rope").split()
 EP2_P2 = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 EP4 = ["--expert-model-parallel-size", "4"]
 EPLB = ["--eplb-interval", "2", "--eplb-window", "4", "--eplb-threshold", "0"]

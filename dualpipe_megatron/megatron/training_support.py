@@ -158,11 +158,26 @@ def post_validate(args: argparse.Namespace) -> None:
                                                           mtp_layers)
     args.overlap_p2p_comm = False
     args.align_param_gather = False
+    _save_embedding_copies_plainly(args)
     _state["options"] = DualPipeOptions(schedule=schedule, timeout=args.dualpipe_p2p_timeout,
                                         debug_p2p=args.dualpipe_debug_p2p,
                                         defer_weight_grads=not args.dualpipe_no_wgrad_split,
                                         moe_overlap=getattr(args, "dualpipe_moe_overlap", True),
                                         trace_dir=args.dualpipe_trace)
+
+
+def _save_embedding_copies_plainly(args: argparse.Namespace) -> None:
+    """Our schedules hold the word embedding and its loss-stage copy (tied output layer, MTP) on
+    one rank, both saved under the embedding's key. Megatron's fully parallel save spreads each
+    shard's writing over the data-parallel ranks assuming one entry per rank, and then marks both
+    entries as the writer: the save fails its own validation ("Invalid access pattern"). So with
+    data parallel > 1 each shard is saved by its owner, as without that option."""
+    copies = not args.untie_embeddings_and_output_weights or getattr(args, "mtp_num_layers", None)
+    if copies and args.data_parallel_size > 1 and getattr(args, "ckpt_fully_parallel_save", False):
+        args.ckpt_fully_parallel_save = False
+        if args.rank == 0:
+            print("dualpipe: --ckpt-fully-parallel-save turned off (the embedding and its loss-stage copy "
+                  "share a rank; see Checkpoints in docs/training.md)", flush=True)
 
 
 def _validate_args(original: Callable, args: argparse.Namespace, defaults: dict | None = None) -> Any:
