@@ -9,7 +9,9 @@ layer 1 with the MoE layer 2, and under DualPipe its first chunk holds layers 1-
 overlap too (the dense layer runs in the plan as compute only), and the overlap's one-time line
 on rank 0 names each chunk's dense and MoE layers. Every run starts from one
 checkpoint written at PP=1 x EP=2 with learning rate 0 and trains iterations 2..4 (three
-iterations), M=8 micro-batches per step. Compared per iteration: ``lm loss`` (relative 1e-5),
+iterations), M=8 micro-batches per step. The DualPipe run also re-places experts with EPLB
+after iterations 2 and 3 (so its equality with 1F1B covers moved experts), and it and the
+interleaved run write EPLB statistics, which must count every routed token exactly once. Compared per iteration: ``lm loss`` (relative 1e-5),
 the load-balancing loss, the MTP loss and the grad norm (relative 1e-4: the grad norm is a sum of squares
 over all parameters, reduced in another order under DualPipeV).
 
@@ -61,6 +63,19 @@ RUNS = {
 }
 
 
+# EPLB statistics under Megatron's interleaved schedule and DualPipe (both chunks of a rank, both
+# copies of a layer), and re-placement after iterations 2 and 3 under DualPipe with the overlap:
+# its comparisons with 1F1B then cover moved experts too (tests/test_eplb_training.py has the rest).
+EPLB = {"dualpipe_overlap": ["--eplb-interval", "1", "--eplb-threshold", "0"]}
+STATS = ("dualpipe_overlap", "megatron_interleaved_overlap_bf16")
+MOE_LAYER_NUMBERS = [2, 3, 4, 5, 6, 7, 8, 9]  # layers 2-8, then the MTP layer
+ROUTED_PER_ITERATION = 2 * 16 * 8  # top-2 x global batch 16 x sequence 8
+
+
+def _stats_file(out, name: str) -> list[str]:
+    return ["--eplb-stats-file", str(out / f"{name}_eplb.json")] if name in STATS else []
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("moe_pretrain")
@@ -72,11 +87,11 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                              "--save", str(init), "--save-interval", "1"])
         start = [*MOE, "--load", str(init), "--no-load-optim", "--no-load-rng", *TRAIN, *ITERS]
         for name, args in RUNS.items():
-            log = run(name, out, 4, [*start, *args])
+            log = run(name, out, 4, [*start, *args, *EPLB.get(name, []), *_stats_file(out, name)])
             got[name] = {"loss": losses(log), "grad_norm": grad_norms(log),
                          "aux": {int(i): float(v) for i, v in AUX.findall(log)},
                          "mtp": {int(i): float(v) for i, v in MTP.findall(log)},
-                         "announced": _announcement(log)}
+                         "announced": _announcement(log), "log": log, "out": out}
     except RunFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
@@ -134,3 +149,18 @@ def test_log_names_dense_and_moe_layers(jobs: dict, name: str) -> None:
     hid their all-to-alls and which ran as compute only."""
     announced = jobs[name]["announced"]
     assert announced and announced[2] == LAYERS[name], (name, announced)
+
+
+@pytest.mark.parametrize("name", STATS)
+def test_eplb_counts_every_routed_token_once(jobs: dict, name: str) -> None:
+    from dualpipe_megatron.eplb.stats import read_stats_file
+
+    stats, whole = read_stats_file(jobs[name]["out"] / f"{name}_eplb.json")
+    assert stats.layers == MOE_LAYER_NUMBERS and whole["iteration"] == 4 and len(stats.history) == 3
+    for counts in stats.history:
+        assert counts.sum(dim=1).tolist() == [ROUTED_PER_ITERATION] * len(MOE_LAYER_NUMBERS), counts
+
+
+def test_eplb_moved_experts_under_dualpipe(jobs: dict) -> None:
+    moved = re.findall(r"^EPLB iteration (\d+): moved (\d+) experts", jobs["dualpipe_overlap"]["log"], re.M)
+    assert [int(i) for i, _ in moved] == [2, 3] and any(int(n) for _, n in moved), moved

@@ -16,7 +16,6 @@ It works the same under every pipeline schedule: nothing here depends on which o
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 from dataclasses import dataclass
@@ -25,9 +24,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..megatron.guard import PatchSet, check_private_symbols, check_version
+from ..megatron.guard import PatchSet, around, check_private_symbols, check_version
 from ..megatron.training_support import register_arguments
-from .experts import LayerKey, MoELayerHandle, find_moe_layers, install_router_hook, take_counts
+from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts
 from .guard import adopt, gpu_loads
 from .moves import move_experts
 from .optimizer_state import PRIVATE_CALLS, OptimizerTensors
@@ -335,13 +334,6 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("; ".join(problems))
 
 
-def _bind(original: Callable, hook: Callable) -> Callable:
-    @functools.wraps(original)
-    def patched(*args: Any, **kwargs: Any) -> Any:
-        return hook(original, *args, **kwargs)
-    return patched
-
-
 def install() -> None:
     """Patch ``megatron.training`` for the ``--eplb-*`` flags (idempotent, version-checked); the
     flags themselves go through the schedule's argument hooks (``register_arguments``)."""
@@ -358,7 +350,7 @@ def install() -> None:
         (MoEMetricsTracker, "report", _report),
     ):
         if not PATCHES.is_patched(owner, name):
-            PATCHES.patch(owner, name, _bind(getattr(owner, name), hook), SIGNATURES[name])
+            PATCHES.patch(owner, name, around(getattr(owner, name), hook), SIGNATURES[name])
 
 
 SIGNATURES = {

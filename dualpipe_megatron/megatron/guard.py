@@ -13,6 +13,7 @@ trailing options, so torch symbols are checked by a list of leading parameter na
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -189,6 +190,15 @@ class PatchSet:
         self._saved.clear()
 
 
+def around(original: Any, hook: Any) -> Any:
+    """``original`` wrapped so that each call runs ``hook(original, *args, **kwargs)``: the shape
+    of every hook our patch sets install."""
+    @functools.wraps(original)
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return hook(original, *args, **kwargs)
+    return patched
+
+
 def is_patched(owner: Any, name: str) -> bool:
     """Whether any subsystem has replaced ``owner.name``."""
     return (id(owner), name) in _holders
@@ -210,5 +220,5 @@ def check_private_symbols(calls: Sequence[tuple[str, str, str]] = PRIVATE_CALLS)
         _check_signature(_resolve(module, qualname), signature, f"{module}.{qualname}")
 
 
-__all__ = ["PRIVATE_CALLS", "SUPPORTED", "SUPPORTED_MEGATRON", "PatchSet", "check_private_symbols",
+__all__ = ["PRIVATE_CALLS", "SUPPORTED", "SUPPORTED_MEGATRON", "PatchSet", "around", "check_private_symbols",
            "check_version", "is_patched"]

@@ -2,7 +2,8 @@
 
 :func:`install` patches, once and guarded, exactly these eight call-time lookups:
 
-- ``arguments.add_megatron_arguments``: adds the flag and our options;
+- ``arguments.add_megatron_arguments``: adds the flag and our options (and those of features
+  registered with :func:`register_arguments`: EPLB's ``--eplb-*``, checked after validation);
 - ``arguments.validate_args``: checks the schedule first, hides our layout from Megatron's
   interleaved checks (which assume looped placement), then sets virtual pipeline size 2 and
   our :class:`DualPipeLayout` so every layer keeps its global number;
@@ -34,9 +35,8 @@ import argparse
 import functools
 from typing import Any, Callable
 
-import torch.distributed as dist
 
-from .guard import PatchSet, check_version
+from .guard import PatchSet, around, check_version
 from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_ranks, prepare_model
 from .predicates import install_predicates, set_job_stage_map
 from .schedule import DualPipeOptions, make_forward_backward_func
@@ -258,13 +258,6 @@ def _megatron_default(args: Any) -> str:
     return "interleaved" if getattr(args, "virtual_pipeline_model_parallel_size", None) else "1f1b"
 
 
-def _bind(original: Callable, hook: Callable) -> Callable:
-    @functools.wraps(original)
-    def patched(*args: Any, **kwargs: Any) -> Any:
-        return hook(original, *args, **kwargs)
-    return patched
-
-
 def install() -> None:
     """Patch ``megatron.training`` for ``--pipeline-schedule`` (idempotent, version-checked)."""
     check_version()
@@ -288,7 +281,7 @@ def install() -> None:
         (checkpointing, "check_checkpoint_args", _check_checkpoint_args,
          "(checkpoint_args, skip_args=None)"),
     ):
-        PATCHES.patch(owner, name, _bind(getattr(owner, name), hook), signature)
+        PATCHES.patch(owner, name, around(getattr(owner, name), hook), signature)
 
 
 def uninstall() -> None:
