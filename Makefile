@@ -40,7 +40,7 @@ bench: setup
 nccl-sweep: setup
 	$(PY) -m dualpipe_megatron.runtime nccl-sweep
 
-# Every GPU check in one run (one GPU, < 8 minutes); `bash scripts/gpu_check.sh --cpu-dry-run` without one.
+# Every GPU check in one run (one GPU, 10 minutes at most); `bash scripts/gpu_check.sh --cpu-dry-run` without one.
 gpu-check:
 	bash scripts/gpu_check.sh
 

@@ -14,7 +14,8 @@
 #                  and dualpipe, 3 training steps + 1 forward-only, against one process
 #   megatron_pp2   scripts/pretrain_gpt.py --pipeline-schedule dualpipev, PP=2, tiny GPT, 2 ranks
 #                  on cuda:0, 3 iterations, mock data, local transformer implementation
-# Both two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU); with
+#   megatron_eplb  the same script, an MoE GPT at EP=2 with --eplb-interval 1: experts re-placed
+# The three two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU); with
 # --cpu-dry-run they run on CPU with gloo instead. Every launched command has a hard timeout, so
 # a hang is a FAIL. Logs and results go to ${OUT:-outputs/gpu_check}; the exit status is 0 only
 # if no section FAILed.
@@ -33,7 +34,7 @@ done
 OUT_DIR=${OUT:-outputs/gpu_check}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-# Seconds; with the index probe (25) and env (~30), under 8 minutes even if every launch hangs.
+# Seconds; with the index probe (25) and env (~30), about 10 minutes if every launch hangs.
 # At most 7 files land in the output folder (the device tool brings back 8).
 ENV_TIMEOUT=${ENV_TIMEOUT:-90}
 OP_COSTS_TIMEOUT=${OP_COSTS_TIMEOUT:-160}
@@ -302,6 +303,40 @@ else
                  "Makefile); scripts/pretrain_gpt.py replaces it only when CUDA is absent (cpu_compat)"
         fi
         record megatron_pp2 FAIL "$what: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 lines with lm and mtp_1 loss, $errors tracebacks"
+    fi
+fi
+
+# -- EPLB: experts re-placed over EP=2 ---------------------------------------------------------------
+header "megatron_eplb"
+# The moves' all-to-all and the counts' all-reduce on the device: MoE GPT, 8 experts, top-2, EP=2
+# (2 ranks on cuda:0, no pipeline), re-placed after iterations 1 and 2 of 3. Its log stays in the
+# scratch folder (the output folder is full); the lines that matter are printed here.
+MOE=(--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2
+     --disable-bias-linear --expert-model-parallel-size 2 --eplb-interval 1 --eplb-threshold 0)
+blocker=$(two_rank_blocker)
+if ! have_torch || ! have_megatron; then
+    record megatron_eplb SKIP "megatron-core not importable ($MEGATRON)"
+elif [[ -n "$blocker" ]]; then
+    echo "SKIP: $blocker"
+    record megatron_eplb SKIP "$blocker"
+else
+    extra=()
+    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); what="gloo on CPU"
+    else what="NCCL $NCCL, 2 ranks on cuda:0"; fi
+    log="$SCRATCH/megatron_eplb.log"
+    OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$log" "$PY" "${TORCHRUN[@]}" "${PIN_GPU0[@]}" \
+        scripts/pretrain_gpt.py "${MODEL[@]}" "${MOE[@]}" "${NO_FUSIONS[@]}" "${extra[@]}" \
+        "${DATA[@]}" "${TRAIN[@]}"
+    rc=$?
+    grep -E "^EPLB iteration" "$log"
+    metric_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: .*eplb_max_mean_load: " "$log")
+    moved=$(grep -cE "^EPLB iteration [0-9]+: moved [1-9][0-9]* experts.*measured" "$log")
+    errors=$(grep -c "Traceback" "$log")
+    if [[ $rc == 0 && $metric_lines == 3 && $moved -ge 1 && $errors == 0 ]]; then
+        record megatron_eplb PASS "$what: 3 iterations with the load metric, $moved re-placements moved experts"
+    else
+        show_tail "$log" 60
+        record megatron_eplb FAIL "$what: $(why_failed $rc "$MEGATRON_TIMEOUT"), $metric_lines of 3 lines with eplb_max_mean_load, $moved re-placements that moved experts, $errors tracebacks"
     fi
 fi
 

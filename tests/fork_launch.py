@@ -7,7 +7,8 @@ does when run directly), then forks one child per rank with torchrun's
 environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``)
 and runs the script's ``main`` there. Nothing distributed, and no thread pool
 (``OMP_NUM_THREADS=1``), exists before the fork. The first rank to fail takes the
-others down, and every child dies with the launcher (a test timeout kills it).
+others down, and every child dies with the launcher (a test timeout kills it). Each rank leads
+a process group, stopped at the end so that no helper process it started outlives the job.
 
     python tests/fork_launch.py NPROC PORT [pretrain_gpt.py arguments ...]
 """
@@ -28,6 +29,7 @@ PR_SET_PDEATHSIG = 1
 def _rank(rank: int, nproc: int, port: str, argv: list[str]) -> int:
     """Run in a forked child: become rank ``rank`` of ``nproc`` and train."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setpgid(0, 0)  # the rank and the helper processes it starts: one group to stop together
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port)
@@ -67,6 +69,7 @@ def main() -> int:
         if pid == 0:
             os._exit(_rank(rank, nproc, port, [str(REPO / "scripts" / "pretrain_gpt.py"), *args]))
         children[pid] = rank
+    groups = list(children)
     failed = 0
     while children:
         pid, status = os.wait()
@@ -75,8 +78,19 @@ def main() -> int:
         if code != 0 and not failed:
             failed = code if code > 0 else 128 - code
             for other in children:  # a failed rank leaves its peers waiting in a collective
-                os.kill(other, signal.SIGKILL)
+                _stop_group(other)
+    # Megatron's checkpoint save starts a persistent async worker per rank, which the ranks'
+    # os._exit leaves behind (idle, ~600 MB each): stop whatever each rank's group still holds.
+    for group in groups:
+        _stop_group(group)
     return failed
+
+
+def _stop_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":

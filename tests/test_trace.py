@@ -17,7 +17,7 @@ import pytest
 from dualpipe_megatron.runtime.plan import executed_halves
 from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulate
 from dualpipe_megatron.schedules.ir import halves
-from dualpipe_megatron.schedules.simulate import SimResult
+from dualpipe_megatron.schedules.simulate import SimResult, StageCost, StageCosts
 from dualpipe_megatron.trace import OpTracer, TraceError, analyze, chrome_trace, load
 from dualpipe_megatron.trace.cli import main
 from dualpipe_megatron.trace.figure import draw_measured
@@ -32,9 +32,10 @@ def _ns(t: Fraction) -> int:
     return int(t * NS_PER_MS)
 
 
-def synthetic_run(directory: Path, sched: Schedule, steps: int = 3, forward_only_step: int | None = None) -> SimResult:
+def synthetic_run(directory: Path, sched: Schedule, steps: int = 3, forward_only_step: int | None = None,
+                  costs: Costs | StageCosts = COSTS) -> SimResult:
     """``steps`` steps of ``sched`` recorded at simulated times, 10 makespans apart."""
-    res = simulate(sched, COSTS)
+    res = simulate(sched, costs)
     now = [0]
     pipeline = list(range(sched.ranks))
     tracers = [OpTracer(directory, r, pipeline, clock=lambda: now[0]) for r in pipeline]
@@ -83,6 +84,32 @@ def test_measured_bubbles_and_costs_match_the_simulation(tmp_path: Path, name: s
         assert report.costs.W == COSTS.W
     assert report.prediction.makespan == res.makespan
     assert report.predicted_ratio == pytest.approx(report.measured_ratio, abs=1e-3)
+
+
+@pytest.mark.parametrize(("name", "ranks", "microbatches"), [("dualpipev", 4, 10), ("dualpipe", 4, 8)])
+def test_costs_command_recovers_per_stage_costs(tmp_path: Path, name: str, ranks: int, microbatches: int,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Unequal stages (seeded factors in [0.7, 1.3], W = 0.4 B, F&B ratio 0.9), traced at simulated
+    times: ``costs`` writes them back and its file simulates the same step."""
+    import random
+
+    sched = build_schedule(name, ranks, microbatches)
+    rng = random.Random(7)
+    truth = StageCosts({k: StageCost(Fraction(f), 2 * Fraction(f), Fraction(4, 5) * Fraction(f))
+                        for k in sorted(sched.placement)
+                        for f in [Fraction(round(rng.uniform(0.7, 1.3), 3)).limit_denominator(1000)]},
+                       fb_ratio=Fraction(9, 10))
+    res = synthetic_run(tmp_path / "trace", sched, costs=truth)
+    out = tmp_path / "stage_costs.json"
+    assert main(["costs", str(tmp_path / "trace"), "-o", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    got = StageCosts.from_json_obj(json.loads(out.read_text()))
+    assert sorted(got.stages) == sorted(truth.stages)
+    for key, cost in truth.stages.items():
+        for part in ("F", "B", "W"):
+            assert float(getattr(got.stages[key], part)) == pytest.approx(float(getattr(cost, part)), abs=1e-5), key
+    assert float(got.fb_ratio) == pytest.approx(0.9, abs=1e-4)
+    assert float(simulate(sched, got).makespan) == pytest.approx(float(res.makespan), rel=1e-4)
 
 
 def test_chrome_trace_has_one_track_per_rank_and_named_ops(tmp_path: Path) -> None:

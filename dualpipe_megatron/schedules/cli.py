@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from fractions import Fraction
+from pathlib import Path
 from typing import Sequence
 
 from .ir import Schedule, ScheduleError
 from .registry import GENERATORS, build_schedule
-from .simulate import Costs, SimResult, simulate
+from .simulate import AnyCosts, Costs, SimResult, StageCosts, simulate
 
 COMPARED = ["1f1b", "interleaved", "zb1p", "dualpipe", "dualpipev"]
 
@@ -54,13 +56,29 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--W", default="1", help="weight-grad part of B (default 1)")
     p.add_argument("--FB", default="3", help="cost of an overlapped F&B pair (default 3)")
     p.add_argument("--c", default="0", help="p2p latency between ranks (default 0)")
+    p.add_argument("--stage-costs", metavar="FILE", default=None,
+                   help='per-(direction, stage) costs instead of the uniform ones: JSON {"c": .., '
+                        '"fb_ratio": .., "stages": [{"d": 0, "s": 0, "F": .., "B": .., "W": ..}, ...]} '
+                        "(docs/schedule_format.md; 'python -m dualpipe_megatron.trace costs' writes one)")
 
 
-def _costs(args: argparse.Namespace) -> Costs:
+def _costs(args: argparse.Namespace) -> AnyCosts:
+    if getattr(args, "stage_costs", None):
+        try:
+            obj = json.loads(Path(args.stage_costs).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ScheduleError(f"cannot read stage costs {args.stage_costs}: {exc}") from None
+        return StageCosts.from_json_obj(obj)
     try:
         return Costs.of(args.F, args.B, args.W, args.FB, args.c)
     except (ValueError, ZeroDivisionError) as exc:
         raise ScheduleError(f"bad cost value: {exc}") from None
+
+
+def _costs_json(costs: AnyCosts) -> dict:
+    if isinstance(costs, StageCosts):
+        return costs.to_json_obj()
+    return {k: str(getattr(costs, k)) for k in ("F", "B", "W", "FB", "c")}
 
 
 def _schedule(args: argparse.Namespace, name: str | None = None) -> Schedule:
@@ -86,7 +104,7 @@ def _result_json(res: SimResult) -> dict:
         "ranks": res.schedule.ranks,
         "stages": res.schedule.stages,
         "microbatches": res.schedule.microbatches,
-        "costs": {k: str(getattr(res.costs, k)) for k in ("F", "B", "W", "FB", "c")},
+        "costs": _costs_json(res.costs),
         "makespan": str(res.makespan),
         "max_bubble": str(res.max_bubble),
         "mean_bubble": str(res.mean_bubble),
@@ -105,7 +123,12 @@ def _result_json(res: SimResult) -> dict:
 
 
 def cmd_dump(args: argparse.Namespace) -> None:
-    print(_schedule(args).to_json())
+    sched = _schedule(args)
+    if args.optimize:
+        from .optimize import optimize_order
+
+        sched = optimize_order(sched, _costs(args))
+    print(sched.to_json())
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -121,18 +144,20 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     print(markdown_table(["rank", "stages", "ops", "busy", "bubble", "peak act."], rows))
 
 
-def compare_rows(ranks: int, microbatches: int, costs: Costs) -> list[list[str]]:
+def compare_rows(ranks: int, microbatches: int, costs: AnyCosts) -> list[list[str]]:
     """One row per schedule at equal model and devices; a row names why a schedule is n/a.
 
-    ``costs`` are for one rank's share of a ``ranks``-stage split; a schedule
+    Uniform ``costs`` are for one rank's share of a ``ranks``-stage split; a schedule
     that cuts the model into more stages per copy (interleaved, DualPipeV) runs
-    proportionally cheaper stages.
+    proportionally cheaper stages. Stage costs apply as given, to the schedules whose
+    (direction, stage) pairs they cover.
     """
     rows = []
     for name in COMPARED:
         try:
             sched = build_schedule(name, ranks, microbatches)
-            res = simulate(sched, costs.scaled(Fraction(ranks, sched.stages)))
+            res = simulate(sched, costs if isinstance(costs, StageCosts)
+                           else costs.scaled(Fraction(ranks, sched.stages)))
         except ScheduleError as exc:
             rows.append([name] + ["-"] * (len(COMPARE_HEADER) - 2) + [f"n/a: {exc}"])
             continue
@@ -153,9 +178,13 @@ COMPARE_HEADER = ["schedule", "stages", "makespan", "max bubble", "mean bubble",
 
 def cmd_compare(args: argparse.Namespace) -> None:
     costs = _costs(args)
-    print(f"P={args.ranks} devices, M={args.microbatches} micro-batches, "
-          f"F={fmt(costs.F)} B={fmt(costs.B)} W={fmt(costs.W)} F&B={fmt(costs.FB)} "
-          f"c={fmt(costs.c)}; costs are for 1/P of the model and scale with stage size;\n"
+    if isinstance(costs, StageCosts):
+        what = (f"stage costs from {args.stage_costs} ({len(costs.stages)} stages, F&B ratio "
+                f"{fmt(costs.fb_ratio)}, c={fmt(costs.c)}), for the schedules with those stages")
+    else:
+        what = (f"F={fmt(costs.F)} B={fmt(costs.B)} W={fmt(costs.W)} F&B={fmt(costs.FB)} "
+                f"c={fmt(costs.c)}; costs are for 1/P of the model and scale with stage size")
+    print(f"P={args.ranks} devices, M={args.microbatches} micro-batches, {what};\n"
           f"peak act. memory is in units of one 1/P-of-the-model stage; params/rank is a share "
           f"of the model")
     print(markdown_table(COMPARE_HEADER, compare_rows(args.ranks, args.microbatches, costs)))
@@ -175,6 +204,10 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
     p = sub.add_parser("dump", help="print the schedule as contract JSON")
     _add_shape(p)
+    _add_costs(p)
+    p.add_argument("--optimize", action="store_true",
+                   help="reorder the ops for these costs (--stage-costs or the uniform ones): never "
+                        "a longer simulated step nor a higher per-rank activation peak than the input")
     p.set_defaults(func=cmd_dump)
     p = sub.add_parser("simulate", help="per-rank timing table of one schedule")
     _add_shape(p)
@@ -204,6 +237,9 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     except errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (| head): not our error
+        sys.stdout = open(os.devnull, "w")
+        return 0
     return 0
 
 

@@ -12,7 +12,7 @@ from fractions import Fraction
 from numbers import Rational
 from typing import Union
 
-from .ir import B, F, Op, Schedule, ScheduleError, W, halves
+from .ir import FB, B, F, Op, Schedule, ScheduleError, W, halves
 from .validate import Event, op_needs, produces, validate
 
 Number = Union[int, float, str, Fraction]
@@ -63,6 +63,86 @@ class Costs:
         return self.FB if op.b.w else self.FB - self.W
 
 
+@dataclass(frozen=True)
+class StageCost:
+    """One (direction, stage)'s forward, full backward and the weight-grad part of it."""
+
+    F: Fraction
+    B: Fraction
+    W: Fraction
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage op costs: real stages differ (embedding, loss, dense vs MoE layers, MTP).
+
+    An overlapped F&B pair of F on stage f and B on stage b costs ``fb_ratio * (F_f + B_b)``,
+    less ``W_b`` when its weight grad is deferred. The file form (``--stage-costs``) is
+    ``{"c": .., "fb_ratio": .., "stages": [{"d": 0, "s": 0, "F": .., "B": .., "W": ..}, ...]}``.
+    """
+
+    stages: dict[tuple[int, int], StageCost]
+    fb_ratio: Fraction = Fraction(1)
+    c: Fraction = Fraction(0)
+
+    @classmethod
+    def from_json_obj(cls, obj: object) -> "StageCosts":
+        if not isinstance(obj, dict) or not isinstance(obj.get("stages"), list) or not obj["stages"]:
+            raise ScheduleError('stage costs: expected {"c": .., "fb_ratio": .., "stages": [{"d", "s", "F", "B", "W"}, ...]}')
+        stages: dict[tuple[int, int], StageCost] = {}
+        for entry in obj["stages"]:
+            try:
+                where = (int(entry["d"]), int(entry["s"]))
+                cost = StageCost(exact(entry["F"]), exact(entry["B"]), exact(entry["W"]))
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+                raise ScheduleError(f"stage costs: bad entry {entry!r} ({exc})") from None
+            if where in stages:
+                raise ScheduleError(f"stage costs: (d={where[0]}, s={where[1]}) given twice")
+            if cost.F <= 0 or cost.B <= 0 or not 0 <= cost.W < cost.B:
+                raise ScheduleError(f"stage costs: (d={where[0]}, s={where[1]}) needs F > 0, B > 0, 0 <= W < B")
+            stages[where] = cost
+        try:
+            ratio, c = exact(obj.get("fb_ratio", 1)), exact(obj.get("c", 0))
+        except (TypeError, ValueError, ZeroDivisionError) as exc:
+            raise ScheduleError(f"stage costs: bad fb_ratio or c ({exc})") from None
+        if ratio <= 0 or c < 0:
+            raise ScheduleError(f"stage costs: fb_ratio must be > 0 and c >= 0, got {ratio} and {c}")
+        return cls(stages, ratio, c)
+
+    def to_json_obj(self) -> dict:
+        return {"c": float(self.c), "fb_ratio": float(self.fb_ratio),
+                "stages": [{"d": d, "s": s, "F": float(v.F), "B": float(v.B), "W": float(v.W)}
+                           for (d, s), v in sorted(self.stages.items())]}
+
+    @classmethod
+    def uniform(cls, sched: Schedule, costs: Costs) -> "StageCosts":
+        """``costs`` on every stage of ``sched`` (the pair ratio is FB / (F + B))."""
+        one = StageCost(costs.F, costs.B, costs.W)
+        return cls({key: one for key in sched.placement}, costs.FB / (costs.F + costs.B), costs.c)
+
+    def check_covers(self, sched: Schedule) -> None:
+        """The costs describe exactly ``sched``'s stages (another split's costs would mislead)."""
+        if set(sched.placement) != set(self.stages):
+            directions = 1 + max(d for d, _ in self.stages)
+            raise ScheduleError(
+                f"stage costs are for {len(self.stages)} (direction, stage) pairs ({directions} direction(s)), "
+                f"{sched.name} has {sched.directions} x {sched.stages}")
+
+    def duration(self, op: Op) -> Fraction:
+        if isinstance(op, FB):
+            f, b = self.stages[(op.f.key.d, op.f.key.s)], self.stages[(op.b.key.d, op.b.key.s)]
+            return self.fb_ratio * (f.F + b.B) - (0 if op.b.w else b.W)
+        cost = self.stages[(op.key.d, op.key.s)]
+        if isinstance(op, F):
+            return cost.F
+        if isinstance(op, B):
+            return cost.B if op.w else cost.B - cost.W
+        return cost.W
+
+
+AnyCosts = Union[Costs, StageCosts]
+
+
 @dataclass
 class RankStats:
     rank: int
@@ -78,7 +158,7 @@ class SimResult:
     """Timeline and per-rank figures of one simulated step."""
 
     schedule: Schedule
-    costs: Costs
+    costs: AnyCosts
     makespan: Fraction
     start: list[list[Fraction]]
     end: list[list[Fraction]]
@@ -133,9 +213,11 @@ def peak_live_activations(ops: list[Op]) -> int:
     return peak
 
 
-def simulate(sched: Schedule, costs: Costs) -> SimResult:
+def simulate(sched: Schedule, costs: AnyCosts) -> SimResult:
     """Validate ``sched`` and time it; raises if the schedule is invalid."""
     order = validate(sched)
+    if isinstance(costs, StageCosts):
+        costs.check_covers(sched)
     start = [[Fraction(0)] * len(ops) for ops in sched.ops]
     end = [[Fraction(0)] * len(ops) for ops in sched.ops]
     made: dict[Event, tuple[int, Fraction]] = {}
@@ -167,4 +249,5 @@ def simulate(sched: Schedule, costs: Costs) -> SimResult:
     return SimResult(sched, costs, makespan, start, end, per_rank)
 
 
-__all__ = ["Costs", "RankStats", "SimResult", "exact", "peak_live_activations", "simulate"]
+__all__ = ["AnyCosts", "Costs", "RankStats", "SimResult", "StageCost", "StageCosts", "exact",
+           "peak_live_activations", "simulate"]

@@ -14,8 +14,8 @@ from fractions import Fraction
 from statistics import median
 from typing import Sequence
 
-from ..schedules.ir import Schedule
-from ..schedules.simulate import Costs, SimResult, simulate
+from ..schedules.ir import FB, Schedule
+from ..schedules.simulate import Costs, SimResult, StageCost, StageCosts, simulate
 from .records import RankTrace, StepRecord, TraceError, pipelines, step_schedule
 
 NS_PER_MS = 1_000_000
@@ -130,22 +130,72 @@ def measured_costs(ranks: list[RankTrace], indices: Sequence[int]) -> tuple[Cost
     return costs, {kind: median(v) / NS_PER_MS for kind, v in sorted(samples.items())}
 
 
-def analyze_pipeline(ranks: list[RankTrace], skip: int = 1) -> PipelineReport:
-    """Bubbles of the training steps after the first ``skip`` (warm-up), and the prediction.
+def measured_stage_costs(ranks: list[RankTrace], indices: Sequence[int]) -> StageCosts:
+    """Median compute ms of F, full B and W per (direction, stage), and the F&B pair ratio.
 
-    Only steps of the last training step's shape count (a batch-size ramp-up
-    changes the micro-batch count).
+    A B without its weight grad plus the stage's median W estimates the full B; a stage whose F
+    (or B) only ran inside F&B pairs takes the median over all stages; the pair ratio is the
+    median over F&B ops of (measured + deferred W) / (F of its forward stage + B of its backward
+    stage). The p2p latency is left 0, as in :func:`measured_costs`.
     """
+    samples: dict[tuple[str, int, int], list[int]] = {}
+    pairs: list[tuple[int, tuple[int, int], tuple[int, int], bool]] = []
+    for r in ranks:
+        for i in indices:
+            for o in r.steps[i].ops:
+                if isinstance(o.op, FB):
+                    pairs.append((o.busy, (o.op.f.key.d, o.op.f.key.s), (o.op.b.key.d, o.op.b.key.s), o.op.b.w))
+                    continue
+                kind = o.kind if o.kind != "B (input grad)" else "Bi"
+                samples.setdefault((kind, o.op.key.d, o.op.key.s), []).append(o.busy)
+    where = sorted(step_schedule(ranks, indices[0]).placement)
+
+    def med(kind: str, stage: tuple[int, int] | None) -> float | None:
+        values = [v for (k, d, s), vs in samples.items() if k == kind and (stage is None or (d, s) == stage)
+                  for v in vs]
+        return median(values) if values else None
+
+    stages: dict[tuple[int, int], StageCost] = {}
+    for stage in where:
+        w = med("W", stage) or med("W", None) or 0.0
+        b_values = [v for v in samples.get(("B", *stage), [])] + [v + w for v in samples.get(("Bi", *stage), [])]
+        b = median(b_values) if b_values else None
+        f = med("F", stage)
+        if b is None:
+            every = [v for (k, _, _), vs in samples.items() if k == "B" for v in vs] + \
+                    [v + w for (k, _, _), vs in samples.items() if k == "Bi" for v in vs]
+            b = median(every) if every else None
+        f = f if f is not None else med("F", None)
+        if f is None or b is None:
+            raise TraceError("need F and B ops (outside F&B pairs) to estimate stage costs")
+        stages[stage] = StageCost(_ms(f), _ms(b), _ms(min(w, b / 2)))
+    ratios = [(busy + (0 if w_done else float(stages[bs].W) * NS_PER_MS))
+              / float((stages[fs].F + stages[bs].B) * NS_PER_MS) for busy, fs, bs, w_done in pairs]
+    return StageCosts(stages, Fraction(median(ratios)).limit_denominator(10_000) if ratios else Fraction(1))
+
+
+def _ms(ns: float) -> Fraction:
+    return Fraction(round(ns), NS_PER_MS)
+
+
+def kept_steps(ranks: list[RankTrace], skip: int = 1) -> list[int]:
+    """The training steps after the first ``skip`` (warm-up) of the last step's shape (a
+    batch-size ramp-up changes the micro-batch count)."""
     indices = training_steps(ranks)
     if len(indices) <= skip:
         raise TraceError(f"pipeline {list(ranks[0].pipeline)}: {len(indices)} training step(s) traced, "
                          f"none left after skipping {skip}")
     shape = ranks[0].steps[indices[-1]].shape
-    kept = [i for i in indices[skip:] if ranks[0].steps[i].shape == shape]
+    return [i for i in indices[skip:] if ranks[0].steps[i].shape == shape]
+
+
+def analyze_pipeline(ranks: list[RankTrace], skip: int = 1) -> PipelineReport:
+    """Bubbles of the kept training steps (:func:`kept_steps`), and the prediction."""
+    kept = kept_steps(ranks, skip)
     sched = step_schedule(ranks, kept[0])
     costs, op_medians = measured_costs(ranks, kept)
     return PipelineReport(ranks[0].pipeline, sched, [step_bubbles(ranks, i) for i in kept],
-                          len(indices) - len(kept), costs, op_medians, simulate(sched, costs))
+                          len(training_steps(ranks)) - len(kept), costs, op_medians, simulate(sched, costs))
 
 
 def analyze(traces: list[RankTrace], skip: int = 1) -> list[PipelineReport]:
@@ -153,4 +203,5 @@ def analyze(traces: list[RankTrace], skip: int = 1) -> list[PipelineReport]:
 
 
 __all__ = ["PipelineReport", "StepBubbles", "Timeline", "analyze", "analyze_pipeline", "measured_costs",
+           "kept_steps", "measured_stage_costs",
            "step_bubbles", "step_timeline", "training_steps"]

@@ -1,4 +1,4 @@
-"""``python -m dualpipe_megatron.trace``: merge, analyse and draw a ``--dualpipe-trace`` directory.
+"""``python -m dualpipe_megatron.trace``: merge, analyse, draw and cost a ``--dualpipe-trace`` directory.
 
 Bad input ends with one ``error:`` line and exit status 2.
 """
@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from statistics import median
 from typing import Sequence
 
 from ..schedules.cli import run_command
 from ..schedules.ir import ScheduleError
-from .analysis import analyze, analyze_pipeline
+from ..schedules.simulate import simulate
+from .analysis import analyze, analyze_pipeline, kept_steps, measured_stage_costs, step_bubbles
 from .chrome import write_chrome_trace
 from .figure import draw_measured
-from .records import TraceError, load, pipelines
+from .records import TraceError, load, pipelines, step_schedule
 from .report import format_report, summary
 
 
@@ -42,6 +44,20 @@ def cmd_draw(args: argparse.Namespace) -> None:
     print(f"wrote {args.output} (step {step})")
 
 
+def cmd_costs(args: argparse.Namespace) -> None:
+    groups = pipelines(load(args.dir))
+    if not 0 <= args.pipeline < len(groups):
+        raise TraceError(f"--pipeline {args.pipeline}: the trace has {len(groups)} pipeline(s)")
+    ranks = groups[args.pipeline]
+    kept = kept_steps(ranks, args.skip)
+    costs = measured_stage_costs(ranks, kept)
+    Path(args.output).write_text(json.dumps(costs.to_json_obj(), indent=1) + "\n")
+    sched = step_schedule(ranks, kept[0])
+    print(f"wrote {args.output}: {len(costs.stages)} stages of {sched.name}, F&B ratio {float(costs.fb_ratio):.3f} "
+          f"(medians of {len(kept)} steps, ms); simulated step {float(simulate(sched, costs).makespan):.2f} ms, "
+          f"measured median {median(step_bubbles(ranks, i).makespan for i in kept):.2f} ms")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dualpipe_megatron.trace", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +79,12 @@ def make_parser() -> argparse.ArgumentParser:
             p.add_argument("--step", type=int, default=None, help="default: the step of median makespan")
             p.add_argument("--pipeline", type=int, default=0, help="which pipeline (0 = lowest global ranks)")
             p.set_defaults(func=cmd_draw)
+    p = sub.add_parser("costs", help="per-stage op costs of a traced run, as a --stage-costs file")
+    p.add_argument("dir")
+    p.add_argument("-o", "--output", required=True, help="the stage-cost JSON to write")
+    p.add_argument("--skip", type=int, default=1, help="warm-up training steps left out (default 1)")
+    p.add_argument("--pipeline", type=int, default=0, help="which pipeline (0 = lowest global ranks)")
+    p.set_defaults(func=cmd_costs)
     return parser
 
 
