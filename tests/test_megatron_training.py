@@ -2,7 +2,8 @@
 
 All runs start from one PP=1 checkpoint and train iterations 2..7. Under dualpipev and dualpipe
 the logged ``lm loss`` must equal 1F1B's at every iteration (1e-5 relative), at P=4 and at
-P=2 x DP=2 with the distributed optimizer and overlapped grad reduce; checkpoints saved at
+P=2 x DP=2 with the distributed optimizer and overlapped grad reduce (DualPipeV there with the
+op order optimized for uniform costs); checkpoints saved at
 iteration 4 under one schedule resume under another (and at another P) with the losses of the
 uninterrupted run. (The refusal of a distributed-optimizer state saved under another schedule
 is unit-tested in test_megatron_layout.py: resuming a distributed optimizer fails inside
@@ -11,6 +12,7 @@ Megatron on CPU with torch's Adam, before any schedule check could run.)
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,10 @@ LAUNCH = ["-m", "dualpipe_megatron.launch", str(REPO / "tests" / "stock_pretrain
 
 
 EVAL_FLAGS = ["--eval-iters", "1", "--eval-interval", "3"]
+# The P=2 x DP=2 DualPipeV run uses the op order optimized for uniform costs (M=8: 50 -> 49
+# simulated), so its equality with 1F1B covers an optimized order too.
+OPTIMIZED = {"dualpipev": ["--dualpipe-optimize-order"]}
+OPTIMIZED_LINE = re.compile(r"DualPipe op order optimized \(dualpipev, P=2, M=8\): simulated step ([0-9.]+) -> ([0-9.]+)")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             got[f"{name}_eval"] = eval_losses(log)
             got[f"{name}_grad_norm"] = grad_norms(log)
         for name in ("1f1b", "dualpipev", "dualpipe"):
-            got[f"{name}_p2dp2"] = losses(run(f"{name}_p2dp2", out, 4,
-                                              [*start, *P2DP2, "--pipeline-schedule", name]))
+            log = run(f"{name}_p2dp2", out, 4, [*start, *P2DP2, "--pipeline-schedule", name,
+                                                *OPTIMIZED.get(name, [])])
+            got[f"{name}_p2dp2"], got[f"{name}_p2dp2_log"] = losses(log), log
         resume = [*TRAIN, *ITERS, "--no-load-rng"]
         for name, ckpt, args in (("1f1b_to_1f1b_p4", "1f1b_p4", [*P4, "--pipeline-schedule", "1f1b"]),
                                  ("v_to_1f1b_p4", "dualpipev_p4", [*P4, "--pipeline-schedule", "1f1b"]),
@@ -78,6 +85,12 @@ def test_p4_matches_1f1b(jobs: dict, schedule: str) -> None:
 @pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
 def test_p2_dp2_distributed_optimizer_overlap_matches_1f1b(jobs: dict, schedule: str) -> None:
     _same(jobs["1f1b_p2dp2"], jobs[f"{schedule}_p2dp2"], range(2, 8))
+
+
+def test_optimized_order_ran(jobs: dict) -> None:
+    found = OPTIMIZED_LINE.findall(jobs["dualpipev_p2dp2_log"])
+    assert len(found) == 1 and float(found[0][1]) < float(found[0][0]), found
+    assert "op order optimized" not in jobs["dualpipe_p2dp2_log"]
 
 
 @pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])

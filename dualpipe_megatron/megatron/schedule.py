@@ -27,7 +27,9 @@ from megatron.core.utils import get_model_config
 from ..runtime.executor import Executor, StepData, StepStats
 from ..runtime.p2p import DistTransport, P2P
 from ..runtime.plan import MessagePlan
-from ..schedules import Schedule, ScheduleError, build_schedule, validate
+from ..schedules import Schedule, ScheduleError, build_schedule, simulate, validate
+from ..schedules.optimize import optimize_order
+from ..schedules.simulate import Costs, StageCosts
 from ..trace.recorder import OpTracer
 from .grads import sum_mirrored_grads, sum_tied_embedding_grads
 from .guard import check_private_symbols
@@ -47,6 +49,7 @@ class DualPipeState:
     mirror_group: dist.ProcessGroup | None = None  # DualPipe only, from prepare_model
     last_stats: StepStats | None = None  # the executor's counters of the latest step
     plans: dict = field(default_factory=dict)  # (ranks, M, forward_only, rank) -> (schedule, plan)
+    schedules: dict = field(default_factory=dict)  # (ranks, M) -> the schedule the steps run
     tracer: OpTracer | None = None  # created on the first step when tracing
 
 
@@ -60,6 +63,9 @@ class DualPipeOptions:
     defer_weight_grads: bool = True  # B(w:false) defers Megatron linears' weight grads to its W
     trace_dir: str | None = None  # record every executed op (see dualpipe_megatron.trace)
     moe_overlap: bool = True  # MoE (EP > 1): FB ops overlap F and B layer by layer (moe_overlap.py)
+    # Run the op order optimized for these costs (schedules/optimize.py) instead of DeepSeek's;
+    # None: DeepSeek's order. Costs or StageCosts (the same on every rank: the result is too).
+    optimize_for: Costs | StageCosts | None = None
     state: DualPipeState = field(default_factory=DualPipeState, repr=False, compare=False)
 
     @property
@@ -122,13 +128,30 @@ def _schedule(options: DualPipeOptions, ranks: int, microbatches: int, forward_o
     key = (ranks, microbatches, forward_only, rank)
     plans = options.state.plans
     if key not in plans:
-        try:
-            sched = build_schedule(options.schedule, ranks, microbatches)
-        except ScheduleError as exc:
-            raise ValueError(f"--pipeline-schedule {options.schedule}: {exc}") from None
-        validate(sched)
+        sched = options.state.schedules.get((ranks, microbatches))
+        if sched is None:
+            sched = options.state.schedules[(ranks, microbatches)] = _build(options, ranks, microbatches)
         plans[key] = (sched, MessagePlan.build(sched, rank, forward_only))
     return plans[key]
+
+
+def _build(options: DualPipeOptions, ranks: int, microbatches: int) -> Schedule:
+    """DeepSeek's order, or the order optimized for ``options.optimize_for`` (said once on global rank 0)."""
+    try:
+        sched = build_schedule(options.schedule, ranks, microbatches)
+    except ScheduleError as exc:
+        raise ValueError(f"--pipeline-schedule {options.schedule}: {exc}") from None
+    validate(sched)
+    if options.optimize_for is None:
+        return sched
+    optimized = optimize_order(sched, options.optimize_for)
+    if dist.is_initialized() and dist.get_rank() == 0:
+        before, after = simulate(sched, options.optimize_for), simulate(optimized, options.optimize_for)
+        print(f"DualPipe op order optimized ({options.schedule}, P={ranks}, M={microbatches}): simulated step "
+              f"{float(before.makespan):.4g} -> {float(after.makespan):.4g}, peak activations per rank "
+              f"{[r.peak_activations for r in before.per_rank]} -> {[r.peak_activations for r in after.per_rank]}",
+              flush=True)
+    return optimized
 
 
 def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: nn.Module | Sequence[nn.Module],

@@ -33,9 +33,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+from pathlib import Path
 from typing import Any, Callable
 
 
+from ..schedules import ScheduleError, build_schedule
+from ..schedules.simulate import Costs, StageCosts
 from .guard import PatchSet, around, check_version
 from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_ranks, prepare_model
 from .predicates import install_predicates, set_job_stage_map
@@ -112,6 +116,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "dispatch/combine all-to-alls of one micro-batch hidden behind the other's compute; "
              "the forward step must accept return_schedule_plan). This flag runs F then B.")
     group.add_argument(
+        "--dualpipe-optimize-order", action="store_true",
+        help="Run an op order optimized for the stage costs (--dualpipe-stage-costs, default uniform "
+             "F=1 B=2 W=1 F&B=3) instead of DeepSeek's: never a longer simulated step nor a higher "
+             "per-rank activation peak; numerics unchanged (rank 0 logs the simulated gain).")
+    group.add_argument(
+        "--dualpipe-stage-costs", default=None, metavar="FILE",
+        help="Per-(direction, stage) costs for --dualpipe-optimize-order, as written by "
+             "'python -m dualpipe_megatron.trace costs' (docs/schedule_format.md).")
+    group.add_argument(
         "--dualpipe-trace", default=None, metavar="DIR",
         help="Record every executed pipeline op (rank, op, direction, stage, micro-batch, start, "
              "end, p2p wait) into one file per process in DIR (use a fresh DIR per run); "
@@ -163,7 +176,26 @@ def post_validate(args: argparse.Namespace) -> None:
                                         debug_p2p=args.dualpipe_debug_p2p,
                                         defer_weight_grads=not args.dualpipe_no_wgrad_split,
                                         moe_overlap=getattr(args, "dualpipe_moe_overlap", True),
-                                        trace_dir=args.dualpipe_trace)
+                                        trace_dir=args.dualpipe_trace,
+                                        optimize_for=_optimization_costs(args, pp))
+
+
+def _optimization_costs(args: argparse.Namespace, pp: int) -> Costs | StageCosts | None:
+    """The costs ``--dualpipe-optimize-order`` optimizes for, checked against the job's schedule."""
+    if args.dualpipe_stage_costs and not args.dualpipe_optimize_order:
+        raise ValueError("--dualpipe-stage-costs is used by --dualpipe-optimize-order only; add that flag")
+    if not args.dualpipe_optimize_order:
+        return None
+    if not args.dualpipe_stage_costs:
+        return Costs.of()
+    try:
+        costs = StageCosts.from_json_obj(json.loads(Path(args.dualpipe_stage_costs).read_text()))
+        microbatches = _microbatches(args)
+        if microbatches is not None:
+            costs.check_covers(build_schedule(args.pipeline_schedule, pp, microbatches))
+    except (OSError, json.JSONDecodeError, ScheduleError) as exc:
+        raise ValueError(f"--dualpipe-stage-costs {args.dualpipe_stage_costs}: {exc}") from None
+    return costs
 
 
 def _save_embedding_copies_plainly(args: argparse.Namespace) -> None:
