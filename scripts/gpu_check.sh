@@ -276,33 +276,41 @@ DATA=(--mock-data --tokenizer-type NullTokenizer --micro-batch-size 1 --global-b
 TRAIN=(--train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1)
 # Megatron pins each rank to cuda:LOCAL_RANK; on one GPU both ranks must say 0.
 PIN_GPU0=(--no-python bash -c 'LOCAL_RANK=0 exec "$0" "$@"' "$PY")
-blocker=$(two_rank_blocker)
-if ! have_torch || ! have_megatron; then
-    record megatron_pp2 SKIP "megatron-core not importable ($MEGATRON)"
-elif [[ -n "$blocker" ]]; then
-    echo "SKIP: $blocker"
-    record megatron_pp2 SKIP "$blocker"
-else
-    extra=()
-    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); what="gloo on CPU"
-    else what="NCCL $NCCL, 2 ranks on cuda:0"; fi
-    log="$OUT_DIR/megatron_pp2.log"
+SKIPPED=200
+# pretrain_two_ranks SECTION LOG ARGS...: scripts/pretrain_gpt.py ARGS on two ranks of cuda:0 (gloo
+# on CPU in a dry run) into LOG, setting WHAT; records SKIP and returns $SKIPPED when it cannot run.
+pretrain_two_ranks() {
+    local section=$1 log=$2 blocker
+    shift 2
+    blocker=$(two_rank_blocker)
+    if ! have_torch || ! have_megatron; then
+        record "$section" SKIP "megatron-core not importable ($MEGATRON)"; return $SKIPPED
+    elif [[ -n "$blocker" ]]; then
+        echo "SKIP: $blocker"; record "$section" SKIP "$blocker"; return $SKIPPED
+    fi
+    local extra=()
+    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); WHAT="gloo on CPU"
+    else WHAT="NCCL $NCCL, 2 ranks on cuda:0"; fi
     OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$log" "$PY" "${TORCHRUN[@]}" "${PIN_GPU0[@]}" \
-        scripts/pretrain_gpt.py "${MODEL[@]}" "${PARALLEL[@]}" "${NO_FUSIONS[@]}" "${extra[@]}" \
-        "${DATA[@]}" "${TRAIN[@]}"
-    rc=$?
+        scripts/pretrain_gpt.py "$@" "${NO_FUSIONS[@]}" "${extra[@]}" "${DATA[@]}" "${TRAIN[@]}"
+}
+
+log="$OUT_DIR/megatron_pp2.log"
+pretrain_two_ranks megatron_pp2 "$log" "${MODEL[@]}" "${PARALLEL[@]}"
+rc=$?
+if [[ $rc != "$SKIPPED" ]]; then
     loss_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: .*mtp_1 loss: " "$log")
     grep -E "iteration +[0-9]+/ +3 \|" "$log" | sed -E 's/.*(iteration +[0-9]+\/ +3).*(elapsed time per iteration \(ms\): [0-9.]+).*(lm loss: [0-9.E+-]+).*/\1 | \2 | \3/'
     errors=$(grep -c "Traceback" "$log")
     if [[ $rc == 0 && $loss_lines == 3 && $errors == 0 ]]; then
-        record megatron_pp2 PASS "$what: 3 iterations logged lm loss and mtp_1 loss"
+        record megatron_pp2 PASS "$WHAT: 3 iterations logged lm loss and mtp_1 loss"
     else
         show_tail "$log" 60
         if grep -q "compiling dataset index builder" "$log" && ! grep -q "done with dataset index builder" "$log"; then
             echo "hint: Megatron's compile_helpers() ran make in megatron/core/datasets (the wheel ships no" \
                  "Makefile); scripts/pretrain_gpt.py replaces it only when CUDA is absent (cpu_compat)"
         fi
-        record megatron_pp2 FAIL "$what: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 lines with lm and mtp_1 loss, $errors tracebacks"
+        record megatron_pp2 FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 lines with lm and mtp_1 loss, $errors tracebacks"
     fi
 fi
 
@@ -313,30 +321,19 @@ header "megatron_eplb"
 # scratch folder (the output folder is full); the lines that matter are printed here.
 MOE=(--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2
      --disable-bias-linear --expert-model-parallel-size 2 --eplb-interval 1 --eplb-threshold 0)
-blocker=$(two_rank_blocker)
-if ! have_torch || ! have_megatron; then
-    record megatron_eplb SKIP "megatron-core not importable ($MEGATRON)"
-elif [[ -n "$blocker" ]]; then
-    echo "SKIP: $blocker"
-    record megatron_eplb SKIP "$blocker"
-else
-    extra=()
-    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); what="gloo on CPU"
-    else what="NCCL $NCCL, 2 ranks on cuda:0"; fi
-    log="$SCRATCH/megatron_eplb.log"
-    OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$log" "$PY" "${TORCHRUN[@]}" "${PIN_GPU0[@]}" \
-        scripts/pretrain_gpt.py "${MODEL[@]}" "${MOE[@]}" "${NO_FUSIONS[@]}" "${extra[@]}" \
-        "${DATA[@]}" "${TRAIN[@]}"
-    rc=$?
+log="$SCRATCH/megatron_eplb.log"
+pretrain_two_ranks megatron_eplb "$log" "${MODEL[@]}" "${MOE[@]}"
+rc=$?
+if [[ $rc != "$SKIPPED" ]]; then
     grep -E "^EPLB iteration" "$log"
     metric_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: .*eplb_max_mean_load: " "$log")
     moved=$(grep -cE "^EPLB iteration [0-9]+: moved [1-9][0-9]* experts.*measured" "$log")
     errors=$(grep -c "Traceback" "$log")
     if [[ $rc == 0 && $metric_lines == 3 && $moved -ge 1 && $errors == 0 ]]; then
-        record megatron_eplb PASS "$what: 3 iterations with the load metric, $moved re-placements moved experts"
+        record megatron_eplb PASS "$WHAT: 3 iterations with the load metric, $moved re-placements moved experts"
     else
         show_tail "$log" 60
-        record megatron_eplb FAIL "$what: $(why_failed $rc "$MEGATRON_TIMEOUT"), $metric_lines of 3 lines with eplb_max_mean_load, $moved re-placements that moved experts, $errors tracebacks"
+        record megatron_eplb FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $metric_lines of 3 lines with eplb_max_mean_load, $moved re-placements that moved experts, $errors tracebacks"
     fi
 fi
 

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from ..schedules import ScheduleError, build_schedule
 from ..schedules.simulate import Costs, StageCosts
+from .auto_layout import auto_layout
 from .guard import PatchSet, around, check_version
 from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_ranks, prepare_model
 from .predicates import install_predicates, set_job_stage_map
@@ -95,7 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--dualpipe-layout", default=None,
         help="Layers per stage for dualpipe/dualpipev as Megatron's layout string, in model "
              "stage order (2P stages for dualpipev, P for dualpipe), e.g. 'Et|tt|tt|tL', with "
-             "--mtp-num-layers' MTP layers (m) just before the loss, e.g. 'Et|tt|tt|tmL'. "
+             "--mtp-num-layers' MTP layers (m) just before the loss, e.g. 'Et|tt|tt|tmL'; or 'auto': "
+             "the split with the shortest simulated step under a FLOP model of this model "
+             "(embedding, dense/MoE layers, output layer and loss, MTP). "
              "Default: an even split of --num-layers, MTP layers with the loss.")
     group.add_argument(
         "--dualpipe-p2p-timeout", type=float, default=600.0,
@@ -145,6 +148,10 @@ def pre_validate(args: argparse.Namespace) -> None:
     """Reject what our schedules cannot run before Megatron's checks, which assume looped placement."""
     if args.pipeline_schedule not in SCHEDULES:
         return
+    if getattr(args, "dualpipe_layout", None) == "auto":
+        args.dualpipe_layout = auto_layout(args)
+        if args.rank == 0:
+            print(f"dualpipe: --dualpipe-layout auto chose {args.dualpipe_layout}", flush=True)
     problems = argument_problems(args)
     if problems:
         raise ValueError("; ".join(problems))

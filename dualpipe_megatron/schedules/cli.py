@@ -225,6 +225,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--timed", action="store_true",
                    help="place ops at simulated times (with the costs) instead of unit slots")
     p.set_defaults(func=cmd_draw)
+    from .layout_cli import add_layout_parser
+
+    add_layout_parser(sub)
     return parser
 
 

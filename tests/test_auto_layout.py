@@ -1,0 +1,210 @@
+"""Automatic ``--dualpipe-layout``: the FLOP model, the split search, its CLI and ``auto_layout``
+on Megatron's parsed arguments (no Megatron processes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import replace
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from dualpipe_megatron.schedules.cli import main
+from dualpipe_megatron.schedules.ir import ScheduleError
+from dualpipe_megatron.schedules.layout import (LayerCosts, ModelShape, _Search, best_layout, even_counts,
+                                                parse_moe_layer_freq, stage_costs_for)
+from dualpipe_megatron.schedules.registry import build_schedule
+from dualpipe_megatron.schedules.simulate import StageCost, simulate
+
+# bench/bench_megatron.py's dense-p2 model (8 layers, hidden 256, 4 heads, seq 128, micro-batch 2, vocab 1024).
+DENSE = ModelShape(num_layers=8, hidden=256, heads=4, seq=128, micro_batch=2, vocab=1024)
+BIG_VOCAB = replace(DENSE, vocab=32000)  # the output layer and loss cost about ten layers
+# DeepSeek-V3's structure in small: dense layers first, then MoE with a shared expert, one MTP layer.
+MOE_MTP = ModelShape(num_layers=12, hidden=128, heads=4, seq=64, vocab=4096, gated=True, experts=8, topk=2,
+                     moe_ffn=64, shared_ffn=64, moe_layer_freq=(0, 0) + (1,) * 10, mtp_layers=1)
+CASES = [("dualpipev", 2, 8, DENSE), ("dualpipev", 2, 8, BIG_VOCAB), ("dualpipe", 2, 8, BIG_VOCAB),
+         ("dualpipev", 3, 6, MOE_MTP), ("dualpipev", 4, 8, MOE_MTP), ("dualpipe", 4, 16, MOE_MTP)]
+MODEL_FLAGS = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+               "--micro-batch-size", "2", "--vocab-size", "32000"]
+
+
+def counts_of(layout: str) -> list[int]:
+    return [stage.count("t") for stage in layout.split("|")]
+
+
+def even_step(schedule: str, P: int, M: int, costs: LayerCosts) -> Fraction:
+    sched = build_schedule(schedule, P, M)
+    return simulate(sched, stage_costs_for(sched, costs, even_counts(costs.num_layers, sched.stages))).makespan
+
+
+@pytest.mark.parametrize(("schedule", "P", "M", "shape"), CASES)
+def test_layout_is_valid_and_never_slower_than_even(schedule: str, P: int, M: int, shape: ModelShape) -> None:
+    from dualpipe_megatron.megatron.topology import layout_problems, stage_layer_types
+
+    costs = LayerCosts.from_shape(shape)
+    layout, stage_costs, step = best_layout(schedule, P, M, costs)
+    sched = build_schedule(schedule, P, M)
+    stages = stage_layer_types(shape.num_layers, sched.stages, layout, shape.mtp_layers)
+    assert layout_problems(stages, shape.num_layers, shape.mtp_layers) == []
+    assert stage_costs == stage_costs_for(sched, costs, counts_of(layout))
+    assert step == simulate(sched, stage_costs).makespan <= even_step(schedule, P, M, costs)
+
+
+def test_heavy_loss_stage_gets_fewer_layers_under_dualpipev() -> None:
+    costs = LayerCosts.from_shape(BIG_VOCAB)
+    assert costs.loss.F > 9 * costs.decoder[0].F
+    layout, _, step = best_layout("dualpipev", 2, 8, costs)
+    counts = counts_of(layout)
+    assert counts[0] + counts[-1] < 4  # rank 0 holds the first and the last stage
+    assert step < Fraction(95, 100) * even_step("dualpipev", 2, 8, costs)
+
+
+@pytest.mark.parametrize(("schedule", "P", "M", "per_stage"), [
+    ("dualpipev", 2, 4, 1), ("dualpipev", 2, 8, 3), ("dualpipev", 3, 12, 2), ("dualpipev", 4, 8, 2),
+    ("dualpipe", 2, 8, 4), ("dualpipe", 4, 8, 2)])
+def test_uniform_layers_without_embedding_or_loss_cost_split_evenly(schedule: str, P: int, M: int,
+                                                                     per_stage: int) -> None:
+    stages = build_schedule(schedule, P, M).stages
+    nothing, layer = StageCost(Fraction(0), Fraction(0), Fraction(0)), StageCost(Fraction(1), Fraction(2), Fraction(1))
+    layout, _, _ = best_layout(schedule, P, M, LayerCosts(nothing, (layer,) * (stages * per_stage), nothing))
+    assert counts_of(layout) == [per_stage] * stages
+
+
+def test_dense_then_moe_layers_and_mtp_are_costed_in_place() -> None:
+    costs = LayerCosts.from_shape(MOE_MTP)
+    dense, moe = costs.decoder[0], costs.decoder[2]
+    assert costs.decoder[:2] == (dense, dense) and set(costs.decoder[2:]) == {moe} and dense != moe
+    # An MTP layer: an embedding lookup, a (2h -> h) projection, a layer like the last, its own output and loss.
+    h, tokens = MOE_MTP.hidden, MOE_MTP.tokens
+    assert costs.mtp[0].F == costs.embedding.F + 2 * tokens * 2 * h * h + moe.F + costs.loss.F
+    layout, stage_costs, _ = best_layout("dualpipev", 3, 6, costs)
+    counts = counts_of(layout)
+    assert layout.endswith("mL") and counts[-1] < 2  # MTP + output + loss already weigh ~2 layers
+    last = stage_costs.stages[(0, 5)]
+    assert last.F == sum(c.F for c in costs.decoder[12 - counts[-1]:]) + costs.mtp[0].F + costs.loss.F
+
+
+def test_mtp_only_last_stage_is_allowed() -> None:
+    """DeepSeek-V3's own layout ends in 'mL': the MTP layer carries a transformer layer."""
+    heavy = replace(MOE_MTP, num_layers=6, moe_layer_freq=(0,) + (1,) * 5, vocab=100_000)
+    layout, _, _ = best_layout("dualpipev", 2, 8, LayerCosts.from_shape(heavy))
+    assert layout.split("|")[-1] == "mL" and min(counts_of(layout)[:-1]) >= 1
+
+
+def test_flop_model_matches_the_projection_counter() -> None:
+    """On the projection's MLA+MoE layer, our closed form equals torch's FLOP counter (which counts
+    causal attention as full, so one causal half is added back)."""
+    from dualpipe_megatron.projection.count import count_chunk
+    from dualpipe_megatron.projection.shapes import PRESETS
+
+    p = PRESETS["tiny"]
+    ours = ModelShape(num_layers=1, hidden=p.hidden, seq=p.seq, vocab=1, heads=p.heads, gated=True,
+                      micro_batch=p.mbs, experts=p.experts, topk=p.topk, moe_ffn=p.expert_ffn,
+                      shared_ffn=p.expert_ffn * p.shared_experts, mla=True, q_lora_rank=p.q_lora,
+                      kv_lora_rank=p.kv_lora, qk_head_dim=p.qk_nope, qk_pos_dim=p.qk_rope, v_head_dim=p.v_head)
+    layer = ours.decoder(moe=True)
+    half = p.mbs * p.heads * p.seq * p.seq * (p.qk_nope + p.qk_rope + p.v_head)
+    counted = count_chunk(p)
+    assert (layer.F + half, layer.B + 2 * half, layer.W) == (counted.F, counted.B, counted.W)
+
+
+def test_fast_timer_equals_simulate() -> None:
+    rng = random.Random(3)
+    for schedule, P, M in (("dualpipev", 3, 9), ("dualpipe", 4, 8)):
+        sched = build_schedule(schedule, P, M)
+        for _ in range(3):
+            L = sched.stages + rng.randint(0, 6)
+            costs = LayerCosts(StageCost(Fraction(rng.randint(0, 3)), Fraction(1), Fraction(0)),
+                               tuple(StageCost(Fraction(f), Fraction(2 * f + 1), Fraction(rng.randint(0, f)))
+                                     for f in (rng.randint(1, 5) for _ in range(L))),
+                               StageCost(Fraction(7, 3), Fraction(5), Fraction(1)))
+            ratio, c = Fraction(4, 5), Fraction(1, 3)
+            search = _Search(sched, costs, ratio, c)
+            for counts in (even_counts(L, sched.stages), [1] * (sched.stages - 1) + [L - sched.stages + 1]):
+                got = Fraction(search.key(tuple(counts))[0], search.unit * search.timer.scale)
+                assert got == simulate(sched, stage_costs_for(sched, costs, counts, ratio, c)).makespan
+
+
+def test_deterministic_and_ties_go_to_the_more_even_split() -> None:
+    costs = LayerCosts.from_shape(MOE_MTP)
+    first = best_layout("dualpipev", 4, 8, costs, "0.8", "1e6")
+    assert best_layout("dualpipev", 4, 8, LayerCosts.from_json_obj(costs.to_json_obj()), "0.8", "1e6") == first
+    # A layer moved between rank 1's two stages: the same simulated step, and the even split wins.
+    nothing, layer = StageCost(Fraction(0), Fraction(0), Fraction(0)), StageCost(Fraction(1), Fraction(2), Fraction(1))
+    search = _Search(build_schedule("dualpipev", 2, 4), LayerCosts(nothing, (layer,) * 8, nothing), Fraction(1),
+                     Fraction(0))
+    even, moved = search.key((2, 2, 2, 2)), search.key((2, 3, 1, 2))
+    assert even[0] == moved[0] and even < moved and search.descend((2, 3, 1, 2))[2] == (2, 2, 2, 2)
+
+
+def test_moe_layer_freq_is_parsed_like_megatron() -> None:
+    assert parse_moe_layer_freq("([0]*3+[1]*5)") == (0, 0, 0, 1, 1, 1, 1, 1)
+    assert parse_moe_layer_freq(" 2 ") == 2 and parse_moe_layer_freq("[1,0]*2") == (1, 0, 1, 0)
+    assert replace(DENSE, experts=4, moe_layer_freq=2).moe_layers() == (True, False) * 4
+    for bad in ("__import__('os')", "[0]*1000000", "[0.5]", "[0]+1", "x"):
+        with pytest.raises(ScheduleError, match="moe-layer-freq"):
+            parse_moe_layer_freq(bad)
+    with pytest.raises(ScheduleError, match="one 0/1 per layer"):
+        replace(DENSE, experts=4, moe_layer_freq=(1, 0))
+
+
+def test_cli_prints_the_layout_then_the_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["layout", "--schedule", "dualpipev", "-P", "2", "-M", "8", *MODEL_FLAGS]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = best_layout("dualpipev", 2, 8, LayerCosts.from_shape(BIG_VOCAB))
+    assert lines[0] == expected[0]
+    assert sum(line.startswith("| ") for line in lines) == 2 + 4  # header, rule, one row per stage
+    assert lines[-1].startswith(f"simulated step: {float(expected[2]):.4g}; even split Ett|tt|tt|ttL: ")
+    assert lines[-1].endswith("%)") and "(-" in lines[-1]
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(LayerCosts.from_shape(BIG_VOCAB).to_json_obj()))
+    assert main(["layout", "--schedule", "dualpipev", "-P", "2", "-M", "8", "--layer-costs", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == expected[0]
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    (["--schedule", "dualpipev", "--num-layers", "3", "--hidden-size", "8", "--seq-length", "8",
+      "--vocab-size", "8"], "3 decoder layers cannot give each of the 4 stages one"),
+    (["--schedule", "1f1b", *MODEL_FLAGS], "layout search is for dualpipev and dualpipe"),
+    (["--schedule", "dualpipev", "--num-layers", "8"], "needs --hidden-size, --seq-length, --vocab-size"),
+    (["--schedule", "dualpipev", *MODEL_FLAGS, "--num-experts", "4", "--moe-layer-freq", "[1]*3"],
+     "one 0/1 per layer (8)"),
+    (["--schedule", "dualpipev", "--layer-costs", "x.json", "--hidden-size", "8"], "drop --hidden-size"),
+    (["--schedule", "dualpipev", *MODEL_FLAGS, "--fb-ratio", "x"], "bad fb_ratio or c"),
+    (["--schedule", "dualpipev", *MODEL_FLAGS, "--kv-channels", "0"], "kv_channels must be >= 1"),
+    (["--schedule", "dualpipe", "-P", "3", *MODEL_FLAGS], "even number of ranks"),
+])
+def test_cli_bad_input_is_one_error_line_and_status_2(capsys: pytest.CaptureFixture[str], extra: list[str],
+                                                     fragment: str) -> None:
+    assert main(["layout", "-P", "2", "-M", "8", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
+
+
+def test_auto_layout_from_megatron_arguments() -> None:
+    from megatron.training.arguments import add_megatron_arguments
+
+    from dualpipe_megatron.megatron.auto_layout import auto_layout, model_shape
+    from dualpipe_megatron.megatron.model import check_configuration
+    from dualpipe_megatron.megatron.training_support import add_arguments
+
+    parser = add_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    argv = ("--num-layers 12 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --vocab-size 4096 "
+            "--swiglu --ffn-hidden-size 512 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
+            "--moe-shared-expert-intermediate-size 64 --moe-layer-freq ([0]*2+[1]*10) --mtp-num-layers 1 "
+            "--pipeline-model-parallel-size 3 --pipeline-schedule dualpipev --dualpipe-layout auto "
+            "--micro-batch-size 1 --global-batch-size 12").split()
+    args = parser.parse_args(argv)
+    args.world_size = 6  # before validation: data parallel 2 from world / (tp x pp x cp)
+    assert model_shape(args) == replace(MOE_MTP, ffn=512, kv_channels=None)
+    layout = auto_layout(args)
+    assert layout == best_layout("dualpipev", 3, 6, LayerCosts.from_shape(MOE_MTP))[0]
+    check_configuration("dualpipev", 3, 6, 12, layout, 1)
+    args.data_parallel_size, args.kv_channels, args.num_query_groups = 2, 32, 4  # as validate_args sets them
+    assert auto_layout(args) == layout
+    args.vocab_size = None
+    with pytest.raises(ScheduleError, match="needs --vocab-size"):
+        auto_layout(args)
