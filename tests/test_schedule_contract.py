@@ -33,11 +33,13 @@ def test_dump_obeys_contract(name: str) -> None:
         for m in range(2 * ranks, 4 * ranks + 1):
             if name == "dualpipe" and m % 2:
                 continue
+            if name == "chimera" and (ranks % 2 or m % ranks):
+                continue  # chimera concatenates whole units of P micro-batches on an even P
             doc = dump(name, ranks, m)
             assert doc["schedule"] == name and doc["ranks"] == ranks and doc["microbatches"] == m
             check(doc)
             checked += 1
-    assert checked >= 80
+    assert checked >= (24 if name == "chimera" else 80)
 
 
 def test_checker_rejects_a_broken_dump() -> None:

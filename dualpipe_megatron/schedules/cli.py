@@ -17,7 +17,7 @@ from .ir import Schedule, ScheduleError
 from .registry import GENERATORS, build_schedule
 from .simulate import AnyCosts, Costs, SimResult, StageCosts, simulate
 
-COMPARED = ["1f1b", "interleaved", "zb1p", "dualpipe", "dualpipev"]
+COMPARED = ["1f1b", "interleaved", "zb1p", "zbv", "chimera", "dualpipe", "dualpipev"]
 
 
 class CliParser(argparse.ArgumentParser):

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .baselines import interleaved, one_f_one_b, zb1p
+from .chimera import chimera
 from .dualpipe import dualpipe, dualpipev
 from .ir import Schedule, ScheduleError
+from .zbv import zbv
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {
     "dualpipev": dualpipev,
@@ -14,6 +16,8 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "1f1b": one_f_one_b,
     "zb1p": zb1p,
     "interleaved": interleaved,
+    "zbv": zbv,
+    "chimera": chimera,
 }
 
 
