@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..megatron.guard import PatchSet, around, check_private_symbols, check_version
 from ..megatron.training_support import register_arguments
 from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts
-from .guard import adopt, gpu_loads
+from .guard import adopt, gpu_loads, imbalance
 from .moves import move_experts
 from .optimizer_state import PRIVATE_CALLS, OptimizerTensors
 from .placement import align, as_plan, identity
@@ -121,13 +121,6 @@ def _imbalance_per_layer(placement: torch.Tensor, load: torch.Tensor, ep_size: i
     return torch.where(mean > 0, per_rank.max(dim=1).values / mean.clamp_min(1e-30), torch.ones_like(mean))
 
 
-def _overall(placement: torch.Tensor, load: torch.Tensor, ep_size: int) -> float:
-    """Step-level max/mean: sum over layers of the busiest rank / sum of the mean rank."""
-    per_rank = gpu_loads(as_plan(placement), load, ep_size)
-    mean = float(per_rank.mean(dim=1).sum())
-    return float(per_rank.max(dim=1).values.sum()) / mean if mean > 0 else 1.0
-
-
 class EplbController:
     """EPLB for one training job on this rank: counts, statistics, placement and moves."""
 
@@ -171,7 +164,7 @@ class EplbController:
         measured = _imbalance_per_layer(self.placement, counts.double(), self.ep_size)
         self._record_metric(measured)
         if self.pending is not None:
-            _print_last(f"{self.pending}, measured {_overall(self.placement, counts.double(), self.ep_size):.3f} "
+            _print_last(f"{self.pending}, measured {imbalance(as_plan(self.placement), counts.double(), self.ep_size):.3f} "
                         f"(iteration {iteration})")
             self.pending = None
         interval = self.options.interval
@@ -191,8 +184,8 @@ class EplbController:
             chosen = adopt(as_plan(self.placement[row:row + 1]), as_plan(proposed[None]), load[row:row + 1],
                            self.options.threshold, num_gpus=self.ep_size)
             new[row] = chosen[0][0]
-        before = _overall(self.placement, load, self.ep_size)
-        predicted = _overall(new, load, self.ep_size)
+        before = imbalance(as_plan(self.placement), load, self.ep_size)
+        predicted = imbalance(as_plan(new), load, self.ep_size)
         changed = (new != self.placement)
         moved, layers = int(changed.sum()), int(changed.any(dim=1).sum())
         self.apply(new)
