@@ -20,8 +20,11 @@ from dualpipe_megatron.projection.cli import main
 from dualpipe_megatron.projection.comm import a2a_transfer_ms
 from dualpipe_megatron.projection.costs import compute_ms, overlapped_fb
 from dualpipe_megatron.projection.count import _count_built
-from dualpipe_megatron.projection.project import VARIANTS, build_variant
+from dualpipe_megatron.projection.placement import (FromFile, ModelSpec, Realistic, Uniform,
+                                                    megatron_counts)
+from dualpipe_megatron.projection.project import VARIANTS, build_variant, variants
 from dualpipe_megatron.schedules import FB, F, Costs, ScheduleError, build_schedule, simulate
+from dualpipe_megatron.schedules.simulate import StageCosts
 
 TINY = PRESETS["tiny"]
 
@@ -35,17 +38,19 @@ def times(F: float = 1, B: float = 2, W: float = 0.5, FB: float = 3, a2a: float 
 def default_job() -> dict:
     """The default DeepSeek-V3-like job with the built-in costs."""
     chunk = count_chunk(DEEPSEEK_V3)
-    results = project(stage_times(DEEPSEEK_V3, chunk, None, None, Network()), 16, 48, 2, 0.1)
+    times = stage_times(DEEPSEEK_V3, chunk, None, None, Network())
+    results = project(Uniform(times, 0.1, 16), 16, 48)
     return {r.variant.label: r for r in results}
 
 
 def test_without_communication_it_is_the_simulator_with_the_compute_costs() -> None:
     t = times(F=1, B=2, W=0.5, FB=2.5)
-    got = {r.variant.label: r.result.makespan for r in project(t, 4, 8, 2, loss=0.3)}
+    got = {r.variant.label: r.result.makespan for r in project(Uniform(t, 0.3, 4), 4, 8)}
     for v in VARIANTS:
-        sched = build_variant(v, 4, 8, 2)
+        sched = build_variant(v, 4, 8)
         costs = Costs.of(1, 2, "0.5", "2.5").scaled(Fraction(4, sched.stages))
-        assert got[v.label] == simulate(sched, costs).makespan, v.label
+        base = simulate(sched, costs).makespan
+        assert got[v.label] <= base if v.optimize else got[v.label] == base, v.label
 
 
 def test_all_to_all_enters_lone_ops_in_full_and_pairs_up_to_their_compute() -> None:
@@ -93,11 +98,15 @@ def test_default_job_ranks_schedules_sensibly(default_job: dict) -> None:
     bubble = {k: r.result.bubble_ratio for k, r in default_job.items()}
     assert bubble["dualpipev"] < bubble["1f1b"] and bubble["dualpipe"] < bubble["1f1b"]
     assert bubble["zb1p"] < bubble["1f1b"]
-    assert step["interleaved+a2a"] < step["interleaved"] < step["1f1b"]
+    assert step["interleaved-2+a2a"] < step["interleaved-2"] < step["1f1b"]
+    assert step["interleaved-4"] < step["interleaved-2"]
+    assert step["dualpipev+opt"] <= step["dualpipev"] and step["dualpipe+opt"] <= step["dualpipe"]
     assert max(step["dualpipe"], step["dualpipev"]) < step["zb1p"]
     # Overlap leaves only a fraction of the all-to-all exposed.
     assert default_job["dualpipev"].exposed_a2a_ms < 0.6 * default_job["1f1b"].exposed_a2a_ms
     assert default_job["dualpipe"].result.params_per_rank == 2 * default_job["1f1b"].result.params_per_rank
+    params = {k: r.params_stages for k, r in default_job.items()}
+    assert params["chimera"] == 2 * params["1f1b"] and params["zbv"] == params["1f1b"] == 1
 
 
 def test_counts_split_backward_and_scale_with_layers() -> None:
@@ -148,7 +157,7 @@ def test_cli_measure_then_project_json(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_cli_schedule_the_shape_forbids_is_a_row_not_an_error(capsys) -> None:
     assert main(["project", "-P", "3", "-M", "6", "--layers-per-rank", "1"]) == 0
-    assert "n/a: dualpipe needs an even number of ranks" in capsys.readouterr().out
+    assert "n/a: dualpipe: dualpipe needs an even number of ranks" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,fragment", [
@@ -180,3 +189,84 @@ def test_module_entry_point_reports_errors_without_traceback() -> None:
                            "--tflops", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+
+
+def test_megatron_split_counts_embedding_and_loss_as_layers() -> None:
+    assert megatron_counts(61, 16) == [3] + [4] * 14 + [2]  # E+3 | 4 x 14 | 2+mL
+    assert megatron_counts(61, 32) == [1] + [2] * 30 + [0]  # Megatron's DeepSeek-V3 'Et|(tt|)*30mL'
+    assert megatron_counts(6, 4) == [1, 2, 2, 1]  # divides: Megatron's own rule
+    with pytest.raises(ScheduleError, match="cannot fill 64 stages"):
+        megatron_counts(61, 64)
+
+
+@pytest.fixture(scope="module")
+def realistic() -> Realistic:
+    target = replace(DEEPSEEK_V3, layers=4)
+    chunk = count_chunk(target)
+    times = stage_times(target, chunk, None, None, Network())
+    return Realistic(ModelSpec(), target, times, chunk, 0.1, 4, 8)
+
+
+def test_realistic_stage_costs_sum_to_the_model(realistic: Realistic) -> None:
+    model = realistic.layers
+    parts = [model.embedding, *model.decoder, *model.mtp, model.loss]
+    total = sum(parts[1:], parts[0])
+    assert len(model.decoder) == 61 and len(model.mtp) == 1
+    dense, moe = model.decoder[0], model.decoder[3]
+    assert dense.Fo == dense.Bo == 0 < moe.Fo  # dense layers have no all-to-all to hide
+    for v in variants((2,), auto_layout=True):
+        if v.optimize:
+            continue
+        sched = build_variant(v, 4, 8)
+        plan = realistic.plan(sched, v.overlap, v.auto_layout)
+        for d in range(sched.directions):
+            stages = [plan.costs.stages[(d, s)] for s in range(sched.stages)]
+            summed = sum(stages[1:], stages[0])
+            assert (summed.F, summed.B, summed.W) == (total.F, total.B, total.W), v.label
+            if v.overlap:
+                assert (summed.Fo, summed.Bo) == (total.Fo, total.Bo), v.label
+        assert plan.layout.startswith("E") and plan.layout.endswith("mL")
+
+
+def test_uniform_stage_cost_file_reproduces_the_uniform_projection(tmp_path: Path) -> None:
+    t = times(F=1, B=2, W=0.5, FB=3, a2a=0.5, p2p=0.25)  # lone F+B = 4, a pair 3 at loss 0
+    uniform = schedule_costs(t, overlap=True, loss=0)
+    doc = {"c": 0.25, "fb_ratio": 0.75,
+           "stages": [{"d": 0, "s": s, "F": 1.5, "B": 2.5, "W": 0.5} for s in range(4)]}
+    assert uniform == Costs.of("1.5", "2.5", "0.5", 3, "0.25")
+    path = tmp_path / "uniform.json"
+    path.write_text(json.dumps(doc))
+    from_file = FromFile(StageCosts.from_json_obj(json.loads(path.read_text())), 4)
+    rows = variants((2, 4))
+    want = project(Uniform(t, 0, 4), 4, 8, rows)
+    got = project(from_file, 4, 8, rows)
+    for a, b in zip(want, got):
+        assert a.variant == b.variant
+        assert a.result.makespan == b.result.makespan, a.variant.label
+        assert a.result.bubble_ratio == b.result.bubble_ratio
+        assert a.peak_stage_activations == b.peak_stage_activations
+        assert a.params_stages == b.params_stages and b.exposed_a2a_ms is None
+
+
+def test_cli_realistic_placement_and_stage_cost_rows(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "real.json"
+    assert main(["project", "--placement", "realistic", "-P", "4", "-M", "8", "--chunks", "2,4",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Placement: realistic (61 layers, the first 3 dense, 1 MTP" in text and "Layouts (" in text
+    doc = json.loads(out.read_text())
+    got = {r["schedule"]: r for r in doc["rows"]}
+    assert set(got) == {v.label for v in variants((2, 4), auto_layout=True)}
+    for name in ("dualpipe", "dualpipev"):
+        assert got[f"{name} auto"]["step_ms"] <= got[name]["step_ms"] + 1e-9
+        assert got[f"{name} auto+opt"]["step_ms"] <= got[f"{name} auto"]["step_ms"] + 1e-9
+    assert got["interleaved-4"]["stages"] == 16 and got["zbv"]["stages"] == 8
+    assert got["1f1b"]["layout"] == "E" + "t" * 15 + "|" + "t" * 16 + "|" + "t" * 16 + "|" + "t" * 14 + "mL"
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"c": 0.01, "fb_ratio": 0.8, "stages": [
+        {"d": 0, "s": s, "F": 10 + s, "B": 20, "W": 5} for s in range(4)]}))
+    assert main(["project", "--stage-costs", str(path), "-P", "4", "-M", "8"]) == 0
+    text = capsys.readouterr().out
+    assert f"stage costs from {path} (4 stages" in text and "| dualpipev+opt |" in text
+    assert main(["project", "--stage-costs", str(path), "--placement", "realistic"]) == 2
+    assert "drop --placement" in capsys.readouterr().err

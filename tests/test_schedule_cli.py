@@ -58,6 +58,15 @@ def test_compare_lists_every_schedule(capsys: pytest.CaptureFixture[str]) -> Non
     assert "n/a: interleaved" in capsys.readouterr().out
 
 
+def test_compare_interleaved_with_more_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "-P", "4", "-M", "16", "--chunks", "2,4"]) == 0
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| interleaved")}
+    assert set(rows) == {"interleaved-2", "interleaved-4"}
+    assert rows["interleaved-4"][0].strip() == "16" and rows["interleaved-2"][0].strip() == "8"
+    assert float(rows["interleaved-4"][1]) < float(rows["interleaved-2"][1])  # smaller bubble
+
+
 def test_draw_writes_png(tmp_path: Path) -> None:
     out = tmp_path / "v.png"
     proc = run("draw", "--schedule", "dualpipev", "-P", "4", "-M", "10", "--timed", "-o", str(out))

@@ -15,13 +15,15 @@ import torch
 
 from ..schedules.cli import CliParser, positive_int, run_command
 from ..schedules.ir import ScheduleError
+from ..schedules.simulate import StageCosts
 from .comm import Network
-from .costs import DEFAULT_TFLOPS, stage_times
-from .count import count_chunk
+from .costs import DEFAULT_TFLOPS, StageTimes, stage_times
+from .count import ChunkCount, count_chunk
 from .measure import OpCosts, measure
-from .project import project
+from .placement import FromFile, ModelSpec, Placement, Realistic, Uniform
+from .project import project, variants
 from .report import assumptions_text, inputs_text, json_doc, markdown, rows
-from .shapes import DEEPSEEK_V3, PRESETS, ProjectionError
+from .shapes import DEEPSEEK_V3, PRESETS, LayerShape, ProjectionError
 
 
 def _number(text: str) -> float:
@@ -67,14 +69,45 @@ def cmd_measure(args: argparse.Namespace) -> None:
           f"wrote {args.output}")
 
 
-def _load(path: str) -> OpCosts:
+def _read_json(path: str) -> object:
     try:
-        doc = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except OSError as exc:
         raise ProjectionError(f"cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ProjectionError(f"{path} is not JSON: {exc}") from None
-    return OpCosts.from_json_obj(doc)
+
+
+def _load(path: str) -> OpCosts:
+    return OpCosts.from_json_obj(_read_json(path))
+
+
+def _chunks(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected chunk counts like 2,4, got {text!r}") from None
+    if any(v < 2 for v in values):
+        raise argparse.ArgumentTypeError(f"interleaved needs 2 or more chunks, got {text}")
+    return values
+
+
+def _placement(args: argparse.Namespace, target: LayerShape, times: StageTimes,
+               chunk: ChunkCount) -> tuple[Placement, str]:
+    if args.stage_costs:
+        if args.placement != "uniform":
+            raise ProjectionError("--stage-costs gives the stages itself; drop --placement")
+        costs = StageCosts.from_json_obj(_read_json(args.stage_costs))
+        return FromFile(costs, args.ranks), (f"stage costs from {args.stage_costs} "
+                                             f"({len(costs.stages)} stages, cut evenly per schedule)")
+    if args.placement == "uniform":
+        return (Uniform(times, args.overlap_loss, args.ranks),
+                f"uniform (every stage an equal share of {args.ranks} x {target.layers} MoE layers)")
+    spec = ModelSpec(args.num_layers, args.dense_layers, args.mtp_layers, args.vocab, args.dense_ffn)
+    return (Realistic(spec, target, times, chunk, args.overlap_loss, args.ranks, args.microbatches),
+            f"realistic ({spec.num_layers} layers, the first {spec.dense_layers} dense, "
+            f"{spec.mtp_layers} MTP, vocabulary {spec.vocab}, dense FFN {spec.dense_ffn}; embedding "
+            f"on the first stage, output layer + loss and MTP on the last)")
 
 
 def cmd_project(args: argparse.Namespace) -> None:
@@ -84,18 +117,21 @@ def cmd_project(args: argparse.Namespace) -> None:
     measured = _load(args.op_costs) if args.op_costs else None
     chunk = count_chunk(target)
     times = stage_times(target, chunk, measured, args.tflops, net)
-    table = rows(project(times, args.ranks, args.microbatches, args.chunks, args.overlap_loss),
-                 chunk)
+    placement, described = _placement(args, target, times, chunk)
+    realistic = isinstance(placement, Realistic)
+    table = rows(project(placement, args.ranks, args.microbatches,
+                         variants(args.chunks, auto_layout=realistic)), chunk)
     print(inputs_text(target, times, net, args.ranks, args.microbatches, args.chunks,
-                      args.overlap_loss))
+                      args.overlap_loss, described))
     print()
     print(markdown(table))
     print()
     print("Assumptions:")
-    print(assumptions_text())
+    print(assumptions_text(realistic))
     if args.json:
         _write_json(args.json, json_doc(target, times, net, args.ranks, args.microbatches,
-                                        args.chunks, args.overlap_loss, table, args.op_costs))
+                                        args.chunks, args.overlap_loss, table, args.op_costs,
+                                        described))
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -128,7 +164,8 @@ def make_parser() -> argparse.ArgumentParser:
     job.add_argument("--ranks", "-P", type=positive_int, default=16, help="pipeline ranks")
     job.add_argument("--microbatches", "-M", type=positive_int, default=48,
                      help="micro-batches per step, all schedules (DualPipe: half per direction)")
-    job.add_argument("--chunks", type=positive_int, default=2, help="interleaved chunks per rank")
+    job.add_argument("--chunks", type=_chunks, default=(2, 4),
+                     help="interleaved chunks per rank, one row pair each (default 2,4)")
     job.add_argument("--ep", type=positive_int, default=DEEPSEEK_V3.ep, help="expert parallel")
     job.add_argument("--layers-per-rank", type=positive_int, default=DEEPSEEK_V3.layers,
                      help="MoE layers in 1/P of the model")
@@ -136,6 +173,25 @@ def make_parser() -> argparse.ArgumentParser:
     job.add_argument("--mbs", type=positive_int, default=DEEPSEEK_V3.mbs, help="micro-batch size")
     job.add_argument("--hidden", type=positive_int, default=DEEPSEEK_V3.hidden)
     job.add_argument("--topk", type=positive_int, default=DEEPSEEK_V3.topk)
+    place = p.add_argument_group("placement of the model's layers")
+    place.add_argument("--placement", choices=["uniform", "realistic"], default="uniform",
+                       help="uniform (default): every stage an equal share of MoE layers; "
+                            "realistic: the whole model layer by layer (embedding on the first "
+                            "stage, dense layers first, output layer + loss and MTP on the last), "
+                            "Megatron's schedules split as with --account-for-embedding/loss-in-"
+                            "pipeline-split, DualPipe(V) also with the auto layout and the op-order "
+                            "optimizer")
+    place.add_argument("--stage-costs", metavar="FILE", default=None,
+                       help="the simulator's stage-cost JSON for direction 0's stages of one model "
+                            "copy in model order (ms); each schedule cuts them evenly")
+    spec = ModelSpec()
+    for flag, dest, text in (("--num-layers", "num_layers", "decoder layers"),
+                             ("--dense-layers", "dense_layers", "leading dense layers"),
+                             ("--mtp-layers", "mtp_layers", "MTP layers"),
+                             ("--vocab", "vocab", "vocabulary size"),
+                             ("--dense-ffn", "dense_ffn", "dense layers' FFN width")):
+        place.add_argument(flag, dest=dest, type=int, default=getattr(spec, dest),
+                           help=f"realistic: {text} (default {getattr(spec, dest)})")
     net = p.add_argument_group("network (achieved GB/s per GPU)")
     default = Network()
     for f in fields(Network):

@@ -1,21 +1,22 @@
 """Step time, bubble and memory of the schedules for one job, from per-stage op times.
 
 Every schedule runs the same model on the same ``P`` devices and the same
-``M`` micro-batches per step (DualPipe: ``M/2`` per direction). Stage costs
-are for 1/P of the model; a schedule that cuts it into more stages per copy
-(interleaved, DualPipeV) runs proportionally cheaper stages, while the p2p
-latency stays per transfer.
+``M`` micro-batches per step (DualPipe: ``M/2`` per direction). The placement
+(:mod:`.placement`) says what each schedule's stages cost: equal shares of the
+model, a stage-cost file, or the whole model layer by layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Sequence
 
 from ..schedules.ir import B, F, FB, Schedule, ScheduleError
+from ..schedules.optimize import optimize_order
 from ..schedules.registry import build_schedule
 from ..schedules.simulate import SimResult, simulate
-from .costs import StageTimes, exposed_a2a, schedule_costs
+from .placement import Placement, weighted_peak
 
 
 @dataclass(frozen=True)
@@ -26,16 +27,34 @@ class Variant:
     generator: str
     overlap: bool  # all-to-all hidden in F&B pairs
     megatron_pairs: bool = False  # rebuild as Megatron's combined 1F1B
+    chunks: int | None = None  # interleaved: chunks per rank
+    auto_layout: bool = False  # layers per stage from the layout search (realistic placement)
+    optimize: bool = False  # op order from the optimizer, for the placement's stage costs
 
 
-VARIANTS = [
-    Variant("1f1b", "1f1b", False),
-    Variant("interleaved", "interleaved", False),
-    Variant("interleaved+a2a", "interleaved", True, megatron_pairs=True),
-    Variant("zb1p", "zb1p", False),
-    Variant("dualpipe", "dualpipe", True),
-    Variant("dualpipev", "dualpipev", True),
-]
+def variants(chunks: Sequence[int] = (2, 4), auto_layout: bool = False) -> list[Variant]:
+    """The projected rows: Megatron's schedules, the anchors and ours; with ``auto_layout``,
+    DualPipe(V) also with the layout search, then with the op-order optimizer on top."""
+    out = [Variant("1f1b", "1f1b", False)]
+    for v in chunks:
+        out += [Variant(f"interleaved-{v}", "interleaved", False, chunks=v),
+                Variant(f"interleaved-{v}+a2a", "interleaved", True, megatron_pairs=True, chunks=v)]
+        if auto_layout:  # Megatron takes any split as --pipeline-model-parallel-layout
+            out.append(Variant(f"interleaved-{v}+a2a auto", "interleaved", True, megatron_pairs=True,
+                               chunks=v, auto_layout=True))
+    out += [Variant("zb1p", "zb1p", False), Variant("zbv", "zbv", False),
+            Variant("chimera", "chimera", False)]
+    for name in ("dualpipe", "dualpipev"):
+        out.append(Variant(name, name, True))
+        if auto_layout:
+            out += [Variant(f"{name} auto", name, True, auto_layout=True),
+                    Variant(f"{name} auto+opt", name, True, auto_layout=True, optimize=True)]
+        else:
+            out.append(Variant(f"{name}+opt", name, True, optimize=True))
+    return out
+
+
+VARIANTS = variants()
 
 
 def megatron_combined_1f1b(sched: Schedule) -> Schedule:
@@ -67,38 +86,39 @@ class Projection:
 
     variant: Variant
     result: SimResult
-    stage_fraction: Fraction  # one stage as a share of a 1/P stage
-    exposed_a2a_ms: float  # most all-to-all time left exposed on any rank
-
-    @property
-    def peak_stage_activations(self) -> Fraction:
-        """Peak live micro-batches, in units of one 1/P stage's activations."""
-        return self.result.peak_activations * self.stage_fraction
+    peak_stage_activations: Fraction  # most live activations on a rank, in 1/P stages
+    params_stages: Fraction  # most parameters on a rank, in 1/P stages
+    exposed_a2a_ms: float | None  # most all-to-all time left exposed on any rank
+    layout: str | None = None  # layers per stage, as a Megatron layout string
 
 
-def build_variant(v: Variant, ranks: int, microbatches: int, chunks: int) -> Schedule:
-    sched = build_schedule(v.generator, ranks, microbatches,
-                           chunks if v.generator == "interleaved" else None)
+def build_variant(v: Variant, ranks: int, microbatches: int) -> Schedule:
+    sched = build_schedule(v.generator, ranks, microbatches, v.chunks)
     return megatron_combined_1f1b(sched) if v.megatron_pairs else sched
 
 
-def project(times: StageTimes, ranks: int, microbatches: int, chunks: int, loss: float,
-            variants: list[Variant] = VARIANTS) -> list[Projection | ScheduleError]:
+def project(placement: Placement, ranks: int, microbatches: int,
+            rows: Sequence[Variant] = VARIANTS) -> list[Projection | ScheduleError]:
     """Simulate each variant; a schedule the shape does not allow comes back as its error."""
     out: list[Projection | ScheduleError] = []
-    for v in variants:
+    for v in rows:
         try:
-            sched = build_variant(v, ranks, microbatches, chunks)
+            sched = build_variant(v, ranks, microbatches)
+            plan = placement.plan(sched, v.overlap, v.auto_layout)
+            if v.optimize:
+                sched = optimize_order(sched, plan.costs)
         except ScheduleError as exc:
-            out.append(exc)
+            out.append(ScheduleError(f"{v.label}: {exc}"))
             continue
-        fraction = Fraction(ranks, sched.stages)
-        res = simulate(sched, schedule_costs(times, v.overlap, loss).scaled(fraction))
-        exposed = max(sum(exposed_a2a(op, times, loss) for op in rank_ops)
-                      for rank_ops in sched.ops) * float(fraction)
-        out.append(Projection(v, res, fraction, exposed))
+        res = simulate(sched, plan.costs)
+        peak = max(weighted_peak(ops, plan.activations) for ops in sched.ops)
+        params = max(sum((plan.params[k] for k in sched.stages_on(r)), Fraction(0))
+                     for r in range(ranks))
+        exposed = (max(sum(plan.exposed(op) for op in ops) for ops in sched.ops)
+                   if plan.exposed else None)
+        out.append(Projection(v, res, peak, params, exposed, plan.layout))
     return out
 
 
 __all__ = ["Projection", "VARIANTS", "Variant", "build_variant", "megatron_combined_1f1b",
-           "project"]
+           "project", "variants"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Sequence
 
 from ..schedules.cli import markdown_table
 from ..schedules.ir import ScheduleError
@@ -21,7 +21,8 @@ ASSUMPTIONS = [
     "both shapes; FLOPs count matrix products and attention only, causal attention as full.",
     "The measured layer is plain torch shaped like DeepSeek-V3's (MLA + MoE, 256 experts "
     "top-8, one shared); an EP rank's experts get a perfectly balanced load; rotary "
-    "embedding, embedding/output layers and the first dense layers are left out.",
+    "embedding is left out; the uniform placement also leaves out the embedding/output layers, "
+    "the first dense layers and MTP.",
     "All-to-all: dispatch + combine per MoE layer each way; a token crosses the inter-node "
     "network once per remote node it routes to (at most nodes_per_token of the EP group's "
     "nodes, uniform) and NVLink for each of its top-k copies not on its landing GPU; the two "
@@ -38,6 +39,23 @@ ASSUMPTIONS = [
     "compare step times for its effect. Activations: saved tensors of our layer (flash-style "
     "attention, no recompute); params: one EP rank's share of the layers, no embeddings, "
     "no optimizer state.",
+]
+
+REALISTIC = [
+    "Realistic placement: the whole model layer by layer; each layer's F, B and W are one MoE "
+    "layer's projected compute scaled by the FLOP ratio to a MoE layer (schedules/layout.py's "
+    "FLOP model: dense layers, MLA, output layer + loss, MTP); all-to-all only on MoE layers "
+    "(MTP's layer included). An F&B pair costs its compute times the measured F-then-B ratio "
+    "plus overlap loss x its all-to-all (exact while compute exceeds the all-to-all, checked "
+    "per MoE layer).",
+    "Layouts: Megatron's schedules (1f1b, interleaved, zb1p) and zbv, chimera, plain "
+    "dualpipe(v) split as --account-for-embedding-in-pipeline-split "
+    "--account-for-loss-in-pipeline-split does (embedding and loss one layer each; when the "
+    "count does not divide, the middle stages take the extra layers); 'auto' rows use the "
+    "layout search; '+opt' rows the op-order optimizer for the same stage costs.",
+    "Activations: every transformer layer (dense, MoE, MTP) saves what a MoE layer saves, the "
+    "output layer and each MTP head keep fp32 logits; params: every transformer layer as a MoE "
+    "layer's EP share, embedding and output layer vocab x hidden each.",
 ]
 
 
@@ -66,7 +84,8 @@ def rows(results: list[Projection | ScheduleError], chunk: ChunkCount) -> list[d
             "exposed_a2a_ms": r.exposed_a2a_ms,
             "peak_activations_stages": float(peak),
             "peak_activations_gib": float(peak) * chunk.saved_bytes / GIB,
-            "params_per_rank": float(res.params_per_rank * res.schedule.ranks) * chunk.params,
+            "params_per_rank": float(r.params_stages) * chunk.params,
+            "layout": r.layout,
         })
     return out
 
@@ -84,20 +103,26 @@ def markdown(table: list[dict[str, Any]]) -> str:
             row["schedule"], str(row["stages"]), _ms(row["step_ms"]),
             f"{row['vs_1f1b']:.3f}" if row["vs_1f1b"] else "-",
             f"{row['bubble_ratio']:.3f}", _ms(row["max_bubble_ms"]),
-            _ms(row["exposed_a2a_ms"]), f"{row['peak_activations_stages']:g}",
+            "-" if row["exposed_a2a_ms"] is None else _ms(row["exposed_a2a_ms"]),
+            f"{row['peak_activations_stages']:.4g}",
             f"{row['peak_activations_gib']:.1f}", f"{row['params_per_rank'] / 1e9:.2f}",
         ])
-    return markdown_table(header, lines)
+    text = markdown_table(header, lines)
+    layouts = [f"{row['schedule']}: {row['layout']}" for row in table if row.get("layout")]
+    return text + ("\n\nLayouts (E embedding, t layer, m MTP, L output + loss; | between stages): "
+                   + "; ".join(layouts) if layouts else "")
 
 
 def inputs_text(target: LayerShape, times: StageTimes, net: Network, ranks: int,
-                microbatches: int, chunks: int, loss: float) -> str:
+                microbatches: int, chunks: Sequence[int], loss: float, placement: str) -> str:
     s = target
     return "\n".join([
         f"Job: P={ranks} pipeline ranks, EP={s.ep}, M={microbatches} micro-batches per step "
-        f"(DualPipe: {microbatches // 2} per direction), interleaved with {chunks} chunks; "
+        f"(DualPipe: {microbatches // 2} per direction), interleaved with "
+        f"{' and '.join(map(str, chunks))} chunks per rank; "
         f"one 1/P stage = {s.layers} MoE layers of hidden {s.hidden}, top-{s.topk} of "
         f"{s.experts} experts, {s.mbs}x{s.seq} tokens per micro-batch.",
+        f"Placement: {placement}.",
         f"Compute per 1/P stage and micro-batch ({times.source}): F {_ms(times.F)} ms, "
         f"B {_ms(times.B)} ms, W {_ms(times.W)} ms, F-then-B {_ms(times.FB)} ms.",
         f"Communication per 1/P stage and micro-batch: all-to-all {_ms(times.a2a_fwd)} ms "
@@ -109,23 +134,27 @@ def inputs_text(target: LayerShape, times: StageTimes, net: Network, ranks: int,
     ])
 
 
-def assumptions_text() -> str:
-    return "\n".join(f"- {a}" for a in ASSUMPTIONS)
+def assumptions(realistic: bool) -> list[str]:
+    return ASSUMPTIONS + (REALISTIC if realistic else [])
+
+
+def assumptions_text(realistic: bool = False) -> str:
+    return "\n".join(f"- {a}" for a in assumptions(realistic))
 
 
 def json_doc(target: LayerShape, times: StageTimes, net: Network, ranks: int,
-             microbatches: int, chunks: int, loss: float, table: list[dict[str, Any]],
-             op_costs: str | None) -> dict[str, Any]:
+             microbatches: int, chunks: Sequence[int], loss: float, table: list[dict[str, Any]],
+             op_costs: str | None, placement: str) -> dict[str, Any]:
     return {
-        "job": {"ranks": ranks, "microbatches": microbatches, "chunks": chunks,
-                "stage_shape": target.to_json_obj()},
+        "job": {"ranks": ranks, "microbatches": microbatches, "chunks": list(chunks),
+                "stage_shape": target.to_json_obj(), "placement": placement},
         "op_costs": op_costs or "built-in",
         "network": asdict(net),
         "overlap_loss": loss,
         "stage_ms": asdict(times),
         "rows": table,
-        "assumptions": ASSUMPTIONS,
+        "assumptions": assumptions(placement.startswith("realistic")),
     }
 
 
-__all__ = ["ASSUMPTIONS", "assumptions_text", "inputs_text", "json_doc", "markdown", "rows"]
+__all__ = ["ASSUMPTIONS", "REALISTIC", "assumptions", "assumptions_text", "inputs_text", "json_doc", "markdown", "rows"]

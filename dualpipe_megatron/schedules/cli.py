@@ -37,14 +37,24 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _add_shape(p: argparse.ArgumentParser, with_schedule: bool = True) -> None:
+def positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, e.g. ``2,4``."""
+    return tuple(positive_int(v) for v in text.split(","))
+
+
+def _add_shape(p: argparse.ArgumentParser, with_schedule: bool = True, chunk_list: bool = False) -> None:
     if with_schedule:
         p.add_argument("--schedule", required=True, help=f"one of: {', '.join(GENERATORS)}")
     p.add_argument("--ranks", "-P", type=positive_int, required=True, help="pipeline ranks P")
     p.add_argument("--microbatches", "-M", type=positive_int, required=True,
                    help="micro-batches per step (both directions together for dualpipe)")
-    p.add_argument("--chunks", type=positive_int, default=None,
-                   help="model chunks per rank for interleaved (default 2)")
+    if chunk_list:
+        p.add_argument("--chunks", type=positive_ints, default=None,
+                       help="model chunks per rank for interleaved, one row each, e.g. 2,4 "
+                            "(default 2; rows are named interleaved-N unless only 2)")
+    else:
+        p.add_argument("--chunks", type=positive_int, default=None,
+                       help="model chunks per rank for interleaved (default 2)")
     p.add_argument("--group-size", type=positive_int, default=None,
                    help="interleaved: micro-batches per chunk group (Megatron's "
                         "microbatch_group_size_per_vp_stage; default P)")
@@ -144,25 +154,31 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     print(markdown_table(["rank", "stages", "ops", "busy", "bubble", "peak act."], rows))
 
 
-def compare_rows(ranks: int, microbatches: int, costs: AnyCosts) -> list[list[str]]:
+def compare_rows(ranks: int, microbatches: int, costs: AnyCosts,
+                 chunks: Sequence[int] = (2,)) -> list[list[str]]:
     """One row per schedule at equal model and devices; a row names why a schedule is n/a.
 
     Uniform ``costs`` are for one rank's share of a ``ranks``-stage split; a schedule
     that cuts the model into more stages per copy (interleaved, DualPipeV) runs
     proportionally cheaper stages. Stage costs apply as given, to the schedules whose
-    (direction, stage) pairs they cover.
+    (direction, stage) pairs they cover. Interleaved gets one row per entry of ``chunks``
+    (named ``interleaved-N`` when that is not just 2).
     """
+    runs = [(n, None) for n in COMPARED if n != "interleaved"]
+    at = COMPARED.index("interleaved")
+    runs[at:at] = [("interleaved", v) for v in chunks]
     rows = []
-    for name in COMPARED:
+    for name, v in runs:
+        label = name if v is None or tuple(chunks) == (2,) else f"{name}-{v}"
         try:
-            sched = build_schedule(name, ranks, microbatches)
+            sched = build_schedule(name, ranks, microbatches, v)
             res = simulate(sched, costs if isinstance(costs, StageCosts)
                            else costs.scaled(Fraction(ranks, sched.stages)))
         except ScheduleError as exc:
-            rows.append([name] + ["-"] * (len(COMPARE_HEADER) - 2) + [f"n/a: {exc}"])
+            rows.append([label] + ["-"] * (len(COMPARE_HEADER) - 2) + [f"n/a: {exc}"])
             continue
         rows.append([
-            name, str(res.schedule.stages), fmt(res.makespan), fmt(res.max_bubble),
+            label, str(res.schedule.stages), fmt(res.makespan), fmt(res.max_bubble),
             fmt(res.mean_bubble), f"{float(res.bubble_ratio):.3f}",
             str(res.peak_activations),
             fmt(res.peak_activations * Fraction(ranks, sched.stages)),
@@ -187,7 +203,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
     print(f"P={args.ranks} devices, M={args.microbatches} micro-batches, {what};\n"
           f"peak act. memory is in units of one 1/P-of-the-model stage; params/rank is a share "
           f"of the model")
-    print(markdown_table(COMPARE_HEADER, compare_rows(args.ranks, args.microbatches, costs)))
+    chunks = args.chunks or (2,)
+    print(markdown_table(COMPARE_HEADER, compare_rows(args.ranks, args.microbatches, costs, chunks)))
 
 
 def cmd_draw(args: argparse.Namespace) -> None:
@@ -215,7 +232,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_simulate)
     p = sub.add_parser("compare", help="one table over all schedules at equal devices")
-    _add_shape(p, with_schedule=False)
+    _add_shape(p, with_schedule=False, chunk_list=True)
     _add_costs(p)
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("draw", help="draw the timeline to a PNG or SVG file")

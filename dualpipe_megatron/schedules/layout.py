@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from .ir import Op, Schedule, ScheduleError, halves
 from .registry import build_schedule
-from .simulate import Number, StageCost, StageCosts, exact, simulate
+from .simulate import STAGE_FIELDS, Number, StageCost, StageCosts, exact, simulate
 from .validate import op_needs, produces, validate
 
 SCHEDULES = ("dualpipev", "dualpipe")
@@ -34,10 +34,10 @@ def _cost(F: Number, B: Number, W: Number) -> StageCost:
 
 
 def _sum(costs: Iterable[StageCost]) -> StageCost:
-    F = B = W = Fraction(0)
+    total = StageCost(Fraction(0), Fraction(0), Fraction(0))
     for c in costs:
-        F, B, W = F + c.F, B + c.B, W + c.W
-    return StageCost(F, B, W)
+        total = total + c
+    return total
 
 
 @dataclass(frozen=True)
@@ -330,8 +330,8 @@ class _Timer:
         zero = StageCost(Fraction(0), Fraction(0), Fraction(0))
         terms = []
         for d, s in sorted(stages):
-            for i in range(3):
-                unit = StageCost(*(Fraction(i == j) for j in range(3)))
+            for i in range(len(STAGE_FIELDS)):
+                unit = StageCost(*(Fraction(i == j) for j in range(len(STAGE_FIELDS))))
                 coef = StageCosts({**{k: zero for k in stages}, (d, s): unit}, fb_ratio).duration(op)
                 if coef:
                     whole = coef * scale
@@ -368,14 +368,15 @@ class _Search:
         self.timer = _Timer(sched, fb_ratio)
         lc = layer_costs
         parts = (lc.embedding, lc.loss, *lc.decoder, *lc.mtp)
-        self.unit = unit = math.lcm(*(x.denominator for p in parts for x in (p.F, p.B, p.W)), c.denominator)
+        self.unit = unit = math.lcm(*(getattr(p, f).denominator for p in parts for f in STAGE_FIELDS),
+                                    c.denominator)
 
         def ints(cost: StageCost) -> tuple[int, ...]:
-            return tuple(int(x * unit) for x in (cost.F, cost.B, cost.W))
+            return tuple(int(getattr(cost, f) * unit) for f in STAGE_FIELDS)
 
         self.head = ints(lc.embedding)
         self.tail = ints(_sum([*lc.mtp, lc.loss]))
-        self.prefix: list[tuple[int, ...]] = [(0, 0, 0)]
+        self.prefix: list[tuple[int, ...]] = [(0,) * len(STAGE_FIELDS)]
         for cost in lc.decoder:
             self.prefix.append(tuple(a + b for a, b in zip(self.prefix[-1], ints(cost))))
         self.c = int(c * unit) * self.timer.scale
@@ -448,6 +449,14 @@ def _balanced_counts(layer_costs: LayerCosts, stages: int) -> tuple[int, ...]:
     return best[L][1]
 
 
+def best_counts(sched: Schedule, layer_costs: LayerCosts, fb_ratio: Fraction, c: Fraction) -> tuple[int, ...]:
+    """Decoder layers per stage of ``sched`` (any schedule: its stages in model order) with the
+    shortest simulated step; the search of :func:`best_layout`."""
+    search = _Search(sched, layer_costs, fb_ratio, c)
+    even = tuple(even_counts(layer_costs.num_layers, sched.stages))
+    return min(search.descend(even), search.descend(_balanced_counts(layer_costs, sched.stages)))[2]
+
+
 def best_layout(schedule: str, ranks: int, microbatches: int, layer_costs: LayerCosts,
                 fb_ratio: Number = 1, c: Number = 0) -> tuple[str, StageCosts, Fraction]:
     """The split of ``layer_costs``' decoder layers with the shortest simulated step of
@@ -470,12 +479,10 @@ def best_layout(schedule: str, ranks: int, microbatches: int, layer_costs: Layer
     if ratio <= 0 or latency < 0:
         raise ScheduleError(f"fb_ratio must be > 0 and c >= 0, got {fb_ratio} and {c}")
     sched = build_schedule(schedule, ranks, microbatches)
-    search = _Search(sched, layer_costs, ratio, latency)
-    even = tuple(even_counts(layer_costs.num_layers, sched.stages))
-    counts = min(search.descend(even), search.descend(_balanced_counts(layer_costs, sched.stages)))[2]
+    counts = best_counts(sched, layer_costs, ratio, latency)
     costs = stage_costs_for(sched, layer_costs, counts, ratio, latency)
     return layout_string(counts, len(layer_costs.mtp)), costs, simulate(sched, costs).makespan
 
 
-__all__ = ["LayerCosts", "ModelShape", "SCHEDULES", "best_layout", "even_counts", "layout_string",
+__all__ = ["LayerCosts", "ModelShape", "SCHEDULES", "best_counts", "best_layout", "even_counts", "layout_string",
            "parse_moe_layer_freq", "stage_costs_for"]

@@ -50,7 +50,9 @@ class _Model:
             costs.check_covers(sched)
             table = {ds: costs.stages[ds] for ds in self.rank}
             ratio = float(costs.fb_ratio)
-            self.fb = lambda f, b: ratio * (self.F[f] + self.B[b])
+            fo = {ds: float(v.Fo) for ds, v in table.items()}
+            bo = {ds: float(v.Bo) for ds, v in table.items()}
+            self.fb = lambda f, b: ratio * (self.F[f] + self.B[b]) - fo[f] - bo[b]
         else:
             table = {ds: costs for ds in self.rank}
             pair = float(costs.FB)

@@ -65,11 +65,27 @@ class Costs:
 
 @dataclass(frozen=True)
 class StageCost:
-    """One (direction, stage)'s forward, full backward and the weight-grad part of it."""
+    """One (direction, stage)'s forward, full backward and the weight-grad part of it.
+
+    ``Fo`` and ``Bo`` (optional, default 0) are what an overlapped F&B pair saves on this
+    stage's F and B, beyond ``fb_ratio``: the projection puts the hidden share of the MoE
+    all-to-all there, which dense stages do not have.
+    """
 
     F: Fraction
     B: Fraction
     W: Fraction
+    Fo: Fraction = Fraction(0)
+    Bo: Fraction = Fraction(0)
+
+    def __add__(self, other: "StageCost") -> "StageCost":
+        return StageCost(*(getattr(self, f) + getattr(other, f) for f in STAGE_FIELDS))
+
+    def __mul__(self, factor: Fraction) -> "StageCost":
+        return StageCost(*(getattr(self, f) * factor for f in STAGE_FIELDS))
+
+
+STAGE_FIELDS = ("F", "B", "W", "Fo", "Bo")
 
 
 @dataclass(frozen=True)
@@ -77,8 +93,9 @@ class StageCosts:
     """Per-stage op costs: real stages differ (embedding, loss, dense vs MoE layers, MTP).
 
     An overlapped F&B pair of F on stage f and B on stage b costs ``fb_ratio * (F_f + B_b)``,
-    less ``W_b`` when its weight grad is deferred. The file form (``--stage-costs``) is
-    ``{"c": .., "fb_ratio": .., "stages": [{"d": 0, "s": 0, "F": .., "B": .., "W": ..}, ...]}``.
+    less ``Fo_f + Bo_b``, less ``W_b`` when its weight grad is deferred. The file form
+    (``--stage-costs``) is ``{"c": .., "fb_ratio": .., "stages": [{"d": 0, "s": 0, "F": .., "B": ..,
+    "W": ..}, ...]}``; an entry may add ``"Fo"`` and ``"Bo"``.
     """
 
     stages: dict[tuple[int, int], StageCost]
@@ -93,13 +110,16 @@ class StageCosts:
         for entry in obj["stages"]:
             try:
                 where = (int(entry["d"]), int(entry["s"]))
-                cost = StageCost(exact(entry["F"]), exact(entry["B"]), exact(entry["W"]))
-            except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+                cost = StageCost(exact(entry["F"]), exact(entry["B"]), exact(entry["W"]),
+                                 exact(entry.get("Fo", 0)), exact(entry.get("Bo", 0)))
+            except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
                 raise ScheduleError(f"stage costs: bad entry {entry!r} ({exc})") from None
             if where in stages:
                 raise ScheduleError(f"stage costs: (d={where[0]}, s={where[1]}) given twice")
             if cost.F <= 0 or cost.B <= 0 or not 0 <= cost.W < cost.B:
                 raise ScheduleError(f"stage costs: (d={where[0]}, s={where[1]}) needs F > 0, B > 0, 0 <= W < B")
+            if not (0 <= cost.Fo < cost.F and 0 <= cost.Bo < cost.B - cost.W):
+                raise ScheduleError(f"stage costs: (d={where[0]}, s={where[1]}) needs 0 <= Fo < F, 0 <= Bo < B - W")
             stages[where] = cost
         try:
             ratio, c = exact(obj.get("fb_ratio", 1)), exact(obj.get("c", 0))
@@ -111,7 +131,8 @@ class StageCosts:
 
     def to_json_obj(self) -> dict:
         return {"c": float(self.c), "fb_ratio": float(self.fb_ratio),
-                "stages": [{"d": d, "s": s, "F": float(v.F), "B": float(v.B), "W": float(v.W)}
+                "stages": [{"d": d, "s": s, **{f: float(getattr(v, f)) for f in STAGE_FIELDS
+                                               if f in ("F", "B", "W") or getattr(v, f)}}
                            for (d, s), v in sorted(self.stages.items())]}
 
     @classmethod
@@ -131,7 +152,7 @@ class StageCosts:
     def duration(self, op: Op) -> Fraction:
         if isinstance(op, FB):
             f, b = self.stages[(op.f.key.d, op.f.key.s)], self.stages[(op.b.key.d, op.b.key.s)]
-            return self.fb_ratio * (f.F + b.B) - (0 if op.b.w else b.W)
+            return self.fb_ratio * (f.F + b.B) - f.Fo - b.Bo - (0 if op.b.w else b.W)
         cost = self.stages[(op.key.d, op.key.s)]
         if isinstance(op, F):
             return cost.F
@@ -249,5 +270,5 @@ def simulate(sched: Schedule, costs: AnyCosts) -> SimResult:
     return SimResult(sched, costs, makespan, start, end, per_rank)
 
 
-__all__ = ["AnyCosts", "Costs", "RankStats", "SimResult", "StageCost", "StageCosts", "exact",
+__all__ = ["AnyCosts", "Costs", "RankStats", "STAGE_FIELDS", "SimResult", "StageCost", "StageCosts", "exact",
            "peak_live_activations", "simulate"]

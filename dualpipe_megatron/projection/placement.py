@@ -1,0 +1,226 @@
+"""Where the model's layers sit, and what each schedule's stages then cost.
+
+Three placements feed :func:`~.project.project`:
+
+- :class:`Uniform`: every stage is an equal share of ``P`` stages of MoE layers (the
+  embedding, the output layer and loss, the dense layers and MTP left out).
+- :class:`FromFile`: a stage-cost file (the simulator's ``--stage-costs`` JSON) gives
+  direction 0's stages in model order; a schedule with ``k`` times as many stages cuts each
+  into ``k`` equal parts.
+- :class:`Realistic`: the whole model, layer by layer: the embedding opens the first stage,
+  dense layers come first, the output layer, loss and MTP close the last stage. Per-layer
+  costs are one MoE layer's projected ms scaled op by op by the FLOP ratio to a MoE layer
+  (:mod:`..schedules.layout`'s FLOP model); all-to-all only on MoE layers. Megatron's
+  schedules get the split of ``--account-for-embedding-in-pipeline-split
+  --account-for-loss-in-pipeline-split`` (embedding and loss count as one layer each),
+  DualPipe(V) the auto layout (:func:`~..schedules.layout.best_layout`).
+
+Activations and parameters are in units of one uniform 1/P stage (``layers_per_rank`` MoE
+layers), so the columns stay comparable across placements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Protocol
+
+from ..schedules.ir import FB, B, F, Op, Schedule, ScheduleError, W, halves
+from ..schedules.layout import (LayerCosts, ModelShape, best_counts, even_counts, layout_string,
+                                stage_costs_for)
+from ..schedules.simulate import AnyCosts, StageCost, StageCosts
+from .costs import StageTimes, exposed_a2a, microseconds, schedule_costs
+from .count import ChunkCount
+from .shapes import LayerShape, ProjectionError
+
+LOGIT_BYTES = 4  # the loss keeps fp32 logits for its backward
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One schedule's stages as the projection times and weighs them."""
+
+    costs: AnyCosts
+    activations: dict[tuple[int, int], Fraction]  # per (direction, stage), in 1/P stages
+    params: dict[tuple[int, int], Fraction]  # per (direction, stage), in 1/P stages
+    exposed: Callable[[Op], float] | None  # ms of all-to-all an op leaves exposed
+    layout: str | None = None
+
+
+class Placement(Protocol):
+    def plan(self, sched: Schedule, overlap: bool, auto_layout: bool) -> Plan: ...
+
+
+def _fraction_of_model(sched: Schedule, ranks: int) -> dict[tuple[int, int], Fraction]:
+    return dict.fromkeys(sched.placement, Fraction(ranks, sched.stages))
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Equal stages: ``times`` is one 1/P stage; a schedule with more stages scales it down."""
+
+    times: StageTimes
+    loss: float
+    ranks: int
+
+    def plan(self, sched: Schedule, overlap: bool, auto_layout: bool) -> Plan:
+        share = Fraction(self.ranks, sched.stages)
+        costs = schedule_costs(self.times, overlap, self.loss).scaled(share)
+        whole = _fraction_of_model(sched, self.ranks)
+        return Plan(costs, whole, whole,
+                    lambda op: exposed_a2a(op, self.times, self.loss) * float(share))
+
+
+@dataclass(frozen=True)
+class FromFile:
+    """Direction 0's stages of a stage-cost file, in model order, cut evenly per schedule."""
+
+    costs: StageCosts
+    ranks: int
+
+    def __post_init__(self) -> None:
+        n = len(self.costs.stages)
+        if set(self.costs.stages) != {(0, s) for s in range(n)}:
+            raise ProjectionError("--stage-costs: give direction 0's stages 0..N-1 (one model copy "
+                                  "in model order); each schedule cuts them to its own stages")
+
+    def plan(self, sched: Schedule, overlap: bool, auto_layout: bool) -> Plan:
+        n = len(self.costs.stages)
+        if sched.stages % n:
+            raise ScheduleError(f"{sched.name}: its {sched.stages} stages do not cut the file's {n} evenly")
+        k = sched.stages // n
+        costs = StageCosts({(d, s): self.costs.stages[(0, s // k)] * Fraction(1, k)
+                            for d, s in sched.placement}, self.costs.fb_ratio, self.costs.c)
+        whole = _fraction_of_model(sched, self.ranks)
+        return Plan(costs, whole, whole, None)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The whole model beyond one MoE layer's shape (defaults: DeepSeek-V3)."""
+
+    num_layers: int = 61
+    dense_layers: int = 3
+    mtp_layers: int = 1
+    vocab: int = 129280
+    dense_ffn: int = 18432
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.dense_layers < self.num_layers:
+            raise ProjectionError(f"dense layers ({self.dense_layers}) must be fewer than the "
+                                  f"{self.num_layers} layers")
+        if min(self.num_layers, self.vocab, self.dense_ffn) < 1 or self.mtp_layers < 0:
+            raise ProjectionError("num_layers, vocab and dense_ffn must be >= 1, mtp_layers >= 0")
+
+    def shape(self, t: LayerShape) -> ModelShape:
+        """Megatron's view of the model: the FLOP model's input."""
+        return ModelShape(num_layers=self.num_layers, hidden=t.hidden, seq=t.seq, vocab=self.vocab,
+                          ffn=self.dense_ffn, heads=t.heads, gated=True, micro_batch=t.mbs,
+                          experts=t.experts, topk=t.topk, moe_ffn=t.expert_ffn,
+                          shared_ffn=t.expert_ffn * t.shared_experts,
+                          moe_layer_freq=(0,) * self.dense_layers + (1,) * (self.num_layers - self.dense_layers),
+                          mtp_layers=self.mtp_layers, mla=True, q_lora_rank=t.q_lora,
+                          kv_lora_rank=t.kv_lora, qk_head_dim=t.qk_nope, qk_pos_dim=t.qk_rope,
+                          v_head_dim=t.v_head)
+
+
+def megatron_counts(num_layers: int, stages: int) -> list[int]:
+    """Decoder layers per stage under ``--account-for-embedding/loss-in-pipeline-split``: the
+    embedding and the loss count as one layer each. Megatron asks ``num_layers + 2`` to divide
+    by the stages; when it does not, the extra layers go to the middle stages (as an uneven
+    ``--pipeline-model-parallel-layout`` would put them)."""
+    if num_layers + 2 < stages:
+        raise ScheduleError(f"{num_layers} layers + embedding + loss cannot fill {stages} stages")
+    counts = even_counts(num_layers + 2, stages)
+    counts[0] -= 1
+    counts[-1] -= 1
+    return counts
+
+
+class Realistic:
+    """The whole model placed layer by layer (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, target: LayerShape, times: StageTimes, chunk: ChunkCount,
+                 loss: float, ranks: int, microbatches: int) -> None:
+        self.spec, self.ranks, self.microbatches, self.loss = spec, ranks, microbatches, loss
+        model = spec.shape(target)
+        flops = LayerCosts.from_shape(model)
+        moe = model.decoder(True)
+        per = target.layers
+        compute_ratio = times.FB / (times.F + times.B)  # an F-then-B pair's compute / lone compute
+        hide = compute_ratio - loss
+        if hide < 0:
+            raise ProjectionError(f"overlap loss {loss} exceeds the F&B compute ratio {compute_ratio:.3f}")
+        a2a = times.a2a_fwd / per  # one way, one MoE layer (a2a_bwd is the same)
+        rate = {op: getattr(times, op) / per / float(getattr(moe, op)) for op in ("F", "B", "W")}
+        for op in ("F", "B"):
+            if compute_ratio * getattr(times, op) / per < a2a:
+                raise ProjectionError(
+                    "the realistic placement's pair rule (compute hides all-to-all) needs a MoE "
+                    f"layer's {op} compute to exceed its all-to-all; use --placement uniform")
+
+        def ms(c: StageCost, comm: float) -> StageCost:
+            return StageCost(microseconds(float(c.F) * rate["F"] + comm),
+                             microseconds(float(c.B) * rate["B"] + comm),
+                             microseconds(float(c.W) * rate["W"]),
+                             microseconds(hide * comm), microseconds(hide * comm))
+
+        moe_layers = model.moe_layers()
+        self.a2a = a2a
+        self.layers = LayerCosts(ms(flops.embedding, 0),
+                                 tuple(ms(c, a2a if m else 0) for c, m in zip(flops.decoder, moe_layers)),
+                                 ms(flops.loss, 0),
+                                 tuple(ms(c, a2a if moe_layers[-1] else 0) for c in flops.mtp))
+        self.moe_layers = moe_layers
+        self.mtp_moe = moe_layers[-1]
+        layer = Fraction(1, per)  # one transformer layer, in 1/P stages (activations and params)
+        self.layer_unit = layer
+        self.logits = Fraction(target.tokens * spec.vocab * LOGIT_BYTES, chunk.saved_bytes)
+        self.table = Fraction(spec.vocab * target.hidden, chunk.params)  # embedding or output weights
+        self.p2p = microseconds(times.p2p)
+
+    def counts(self, sched: Schedule, auto_layout: bool) -> list[int]:
+        if not auto_layout:
+            return megatron_counts(self.spec.num_layers, sched.stages)
+        return list(best_counts(sched, self.layers, Fraction(1), self.p2p))
+
+    def plan(self, sched: Schedule, overlap: bool, auto_layout: bool) -> Plan:
+        counts = self.counts(sched, auto_layout)
+        costs = stage_costs_for(sched, self.layers, counts, 1, self.p2p)
+        if not overlap:  # a pair hides no all-to-all (schedules with F&B pairs and no overlap: none)
+            costs = StageCosts({k: StageCost(v.F, v.B, v.W) for k, v in costs.stages.items()},
+                               costs.fb_ratio, costs.c)
+        last = len(counts) - 1
+        act, params, comm = {}, {}, {}
+        for d, s in sched.placement:
+            start = sum(counts[:s])
+            moe = sum(self.moe_layers[start:start + counts[s]])
+            layers = counts[s] + (self.spec.mtp_layers if s == last else 0)
+            act[(d, s)] = layers * self.layer_unit + (self.logits * (1 + self.spec.mtp_layers) if s == last else 0)
+            params[(d, s)] = layers * self.layer_unit + self.table * ((s == 0) + (s == last))
+            comm[(d, s)] = (moe + (self.spec.mtp_layers * self.mtp_moe if s == last else 0)) * self.a2a
+
+        def exposed(op: Op) -> float:
+            if isinstance(op, FB):
+                return self.loss * (comm[(op.f.key.d, op.f.key.s)] + comm[(op.b.key.d, op.b.key.s)])
+            return 0.0 if isinstance(op, W) else comm[(op.key.d, op.key.s)]
+
+        return Plan(costs, act, params, exposed, layout_string(counts, self.spec.mtp_layers))
+
+
+def weighted_peak(ops: list[Op], weight: dict[tuple[int, int], Fraction]) -> Fraction:
+    """Peak of live activations on a rank, each (d, s, m) weighing its stage's activations."""
+    live = peak = Fraction(0)
+    for op in ops:
+        for h in halves(op):
+            if isinstance(h, F):
+                live += weight[(h.key.d, h.key.s)]
+        peak = max(peak, live)
+        for h in halves(op):
+            if isinstance(h, W) or (isinstance(h, B) and h.w):
+                live -= weight[(h.key.d, h.key.s)]
+    return peak
+
+
+__all__ = ["FromFile", "ModelSpec", "Placement", "Plan", "Realistic", "Uniform", "megatron_counts",
+           "weighted_peak"]
