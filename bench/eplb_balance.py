@@ -1,12 +1,14 @@
 """EPLB in training on a skewed router: measured expert load per EP rank with EPLB off and on.
 
-Per configuration, two training jobs of the same MoE GPT (8 experts, top-2, same seed and data)
+Per configuration, three training jobs of the same MoE GPT (8 experts, top-2, same seed and data)
 through ``eplb_skewed_pretrain.py``, which adds a fixed per-layer bias to every router's logits:
-EPLB off (only collecting, ``--eplb-stats-file``) and EPLB on (``--eplb-interval``). Megatron's
-iteration line reports ``eplb_max_mean_load``, the measured max/mean tokens per EP rank (mean
-over MoE layers); we average it over the iterations after the first re-placement, the same
-iterations in both jobs, with the median iteration time. Acceptance (issue 15): EPLB brings the
-imbalance at least 30% closer to 1, ``(on - 1) / (off - 1) <= 0.70``.
+EPLB off (only collecting, ``--eplb-stats-file``), re-placement only (``--eplb-interval``) and
+re-placement with ``K`` redundant experts (``--eplb-redundant-experts K``, K = the EP size).
+Megatron's iteration line reports ``eplb_max_mean_load``, the measured max/mean tokens per EP
+rank (mean over MoE layers; with redundancy, tokens per rank over its compute slots); we average
+it over the iterations after the first re-placement, the same iterations in every job, with the
+median iteration time. Acceptance: re-placement brings the imbalance at least 30% closer to 1,
+``(on - 1) / (off - 1) <= 0.70`` (issue 15); with redundancy max/mean at most 1.10 (issue 17).
 
 Prints a markdown table and writes ``bench/results/eplb_balance.json``.
 
@@ -35,6 +37,7 @@ BENCH = Path(__file__).resolve().parent
 ENTRY = BENCH / "eplb_skewed_pretrain.py"
 RESULTS = BENCH / "results" / "eplb_balance.json"
 TARGET = 0.70  # (on - 1) / (off - 1): at least 30% closer to perfect balance
+REDUNDANT_TARGET = 1.10  # max/mean with redundant experts
 
 MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 2 --seq-length 64 --max-position-embeddings 64 "
          "--vocab-size 256 --position-embedding-type learned_absolute --hidden-dropout 0 --attention-dropout 0 "
@@ -42,7 +45,9 @@ MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 2 --seq-length 6
          "--disable-bias-linear").split()
 TRAIN = "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1".split()
 LOAD = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?eplb_max_mean_load: ([0-9.]+)")
-MOVED = re.compile(r"EPLB iteration (\d+): moved (\d+) experts")
+MOVED = re.compile(r"EPLB iteration (\d+): moved (\d+) expert(?:s| slots)")
+SYNC = re.compile(r"EPLB replica sync: ([0-9.]+) ms per step")
+EXTRA = re.compile(r"replicas hold ([0-9.]+) MiB on the busiest rank")
 
 
 @dataclass(frozen=True)
@@ -51,12 +56,13 @@ class Config:
     processes: int
     parallel: tuple[str, ...]
     label: str
+    ep: int
 
 
 CONFIGS = {
-    "ep4-p1": Config("ep4-p1", 4, ("--expert-model-parallel-size", "4"), "EP=4, P=1 (Megatron's schedule)"),
+    "ep4-p1": Config("ep4-p1", 4, ("--expert-model-parallel-size", "4"), "EP=4, P=1 (Megatron's schedule)", 4),
     "ep2-p2": Config("ep2-p2", 4, ("--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                   "--pipeline-schedule", "dualpipev"), "EP=2 x P=2 (dualpipev)"),
+                                   "--pipeline-schedule", "dualpipev"), "EP=2 x P=2 (dualpipev)", 2),
 }
 
 
@@ -75,36 +81,48 @@ def train(config: Config, eplb: list[str], args: argparse.Namespace, work: Path,
     load = {int(n): float(v) for n, v in LOAD.findall(log)}
     if code != 0 or len(iterations) != args.iterations or len(load) != args.iterations:
         raise SystemExit(f"{config.name} {name}: training failed (exit code {code}); log:\n{log[-4000:]}")
+    extra = EXTRA.search(log)
     return {"wall_s": wall, "ms": {it.number: it.ms for it in iterations},
             "loss": {it.number: it.loss for it in iterations}, "load": load,
-            "moved": {int(n): int(k) for n, k in MOVED.findall(log)}}
+            "moved": {int(n): int(k) for n, k in MOVED.findall(log)},
+            "sync_ms": [float(v) for v in SYNC.findall(log)], "replica_mib": float(extra.group(1)) if extra else 0.0}
 
 
 def measure(config: Config, args: argparse.Namespace, work: Path) -> dict:
+    eplb = ["--eplb-interval", str(args.interval), "--eplb-window", str(args.window),
+            "--eplb-threshold", str(args.threshold)]
     off = train(config, [], args, work, f"{config.name}-off")
-    on = train(config, ["--eplb-interval", str(args.interval), "--eplb-window", str(args.window),
-                        "--eplb-threshold", str(args.threshold)], args, work, f"{config.name}-on")
+    on = train(config, eplb, args, work, f"{config.name}-on")
+    red = train(config, [*eplb, "--eplb-redundant-experts", str(config.ep)], args, work, f"{config.name}-redundant")
     kept = range(args.interval + 1, args.iterations + 1)  # after the first re-placement
-    load_off, load_on = mean(off["load"][i] for i in kept), mean(on["load"][i] for i in kept)
-    ratio = (load_on - 1) / (load_off - 1) if load_off > 1 else float("nan")
-    loss_diff = max(abs(on["loss"][i] - off["loss"][i]) / abs(off["loss"][i]) for i in off["loss"])
+
+    def summary(job: dict) -> dict:
+        return {"max_mean_load": mean(job["load"][i] for i in kept),
+                "median_ms": median(job["ms"][i] for i in kept), **job}
+
+    off, on, red = summary(off), summary(on), summary(red)
+    ratio = (on["max_mean_load"] - 1) / (off["max_mean_load"] - 1) if off["max_mean_load"] > 1 else float("nan")
+    loss_diff = max(abs(job["loss"][i] - off["loss"][i]) / abs(off["loss"][i]) for job in (on, red) for i in off["loss"])
     return {"name": config.name, "label": config.label, "processes": config.processes,
-            "flags": list(config.parallel), "iterations": list(kept),
-            "off": {"max_mean_load": load_off, "median_ms": median(off["ms"][i] for i in kept), **off},
-            "on": {"max_mean_load": load_on, "median_ms": median(on["ms"][i] for i in kept), **on},
+            "flags": list(config.parallel), "iterations": list(kept), "redundant": config.ep,
+            "off": off, "on": on, "redundant_on": red,
             "ratio": ratio, "passed": ratio <= TARGET, "experts_moved": sum(on["moved"].values()),
-            "moves": on["moved"], "max_rel_loss_diff": loss_diff}
+            "moves": on["moved"], "redundant_passed": red["max_mean_load"] <= REDUNDANT_TARGET,
+            "sync_ms": median(red["sync_ms"][1:] or red["sync_ms"]), "max_rel_loss_diff": loss_diff}
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
-    rows = ["| configuration | max/mean off | max/mean on | (on-1)/(off-1) | target <= 0.70 | "
-            "median ms off | median ms on | experts moved (re-placements) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| configuration | max/mean off | re-placement | (on-1)/(off-1) <= 0.70 | + K redundant | "
+            "<= 1.10 | median ms off / on / +K | replica sync ms/step | replicas MiB/rank | experts moved |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         moves = ", ".join(f"{k}@{n}" for n, k in sorted(r["moves"].items()))
+        red = r["redundant_on"]
         rows.append(f"| {r['label']} | {r['off']['max_mean_load']:.3f} | {r['on']['max_mean_load']:.3f} | "
-                    f"{r['ratio']:.2f} | {'PASS' if r['passed'] else 'MISS'} | {r['off']['median_ms']:.0f} | "
-                    f"{r['on']['median_ms']:.0f} | {r['experts_moved']} ({moves}) |")
+                    f"{r['ratio']:.2f} {'PASS' if r['passed'] else 'MISS'} | {red['max_mean_load']:.3f} (K={r['redundant']}) | "
+                    f"{'PASS' if r['redundant_passed'] else 'MISS'} | {r['off']['median_ms']:.0f} / "
+                    f"{r['on']['median_ms']:.0f} / {red['median_ms']:.0f} | {r['sync_ms']:.1f} | "
+                    f"{red['replica_mib']:.2f} | {r['experts_moved']} ({moves}) |")
     first, last = args.interval + 1, args.iterations
     return "\n".join(rows) + (
         f"\n\nMax/mean tokens per EP rank (eplb_max_mean_load, mean over MoE layers), averaged over "
@@ -112,6 +130,9 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"the same iterations; EPLB every {args.interval} iterations over a window of {args.window}, "
         f"threshold {args.threshold:g}. Largest relative lm loss difference between the two jobs: "
         + ", ".join(f"{r['name']} {r['max_rel_loss_diff']:.1e}" for r in results) + " (the same model). "
+        f"K redundant experts: K extra compute slots per layer (K = the EP size), replicas of hot experts; "
+        f"replica sync is the median time per step to add replica gradients into their owners and copy "
+        f"the updated weights back (busiest rank). "
         f"Experts moved: count@iteration. On CPU with gloo the step time hardly reflects EP imbalance "
         f"(experts are tiny and every rank waits on the same collectives), so the times show only that "
         f"re-placing costs little; the load figures are the measurement.")
@@ -137,14 +158,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             config = CONFIGS[name]
-            print(f"{name}: {config.label}, EPLB off then on, {args.iterations} iterations each ...", flush=True)
+            print(f"{name}: {config.label}, EPLB off, on, on with {config.ep} redundant experts, "
+                  f"{args.iterations} iterations each ...", flush=True)
             results.append(measure(config, args, Path(tmp)))
             done = results[-1]
-            print(f"{name}: done in {done['off']['wall_s'] + done['on']['wall_s']:.0f} s", flush=True)
+            wall = sum(done[job]["wall_s"] for job in ("off", "on", "redundant_on"))
+            print(f"{name}: done in {wall:.0f} s", flush=True)
     table = markdown(results, args)
     print("\n" + table)
     meta = {
-        "what": "measured max/mean tokens per EP rank with EPLB off and on, skewed router, CPU/gloo",
+        "what": "measured max/mean tokens per EP rank with EPLB off, re-placement and redundant experts, "
+                "skewed router, CPU/gloo",
         "date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "arch": platform.machine(),
         "python": platform.python_version(),
         "torch": version("torch"), "megatron_core": version("megatron-core"),

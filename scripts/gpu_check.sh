@@ -14,7 +14,8 @@
 #                  and dualpipe, 3 training steps + 1 forward-only, against one process
 #   megatron_pp2   scripts/pretrain_gpt.py --pipeline-schedule dualpipev, PP=2, tiny GPT, 2 ranks
 #                  on cuda:0, 3 iterations, mock data, local transformer implementation
-#   megatron_eplb  the same script, an MoE GPT at EP=2 with --eplb-interval 1: experts re-placed
+#   megatron_eplb  the same script, an MoE GPT at EP=2 with --eplb-interval 1 and 2 redundant
+#                  experts: slots re-placed, replicas checked bitwise against owners every step
 # The three two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU); with
 # --cpu-dry-run they run on CPU with gloo instead. Every launched command has a hard timeout, so
 # a hang is a FAIL. Logs and results go to ${OUT:-outputs/gpu_check}; the exit status is 0 only
@@ -317,23 +318,29 @@ fi
 # -- EPLB: experts re-placed over EP=2 ---------------------------------------------------------------
 header "megatron_eplb"
 # The moves' all-to-all and the counts' all-reduce on the device: MoE GPT, 8 experts, top-2, EP=2
-# (2 ranks on cuda:0, no pipeline), re-placed after iterations 1 and 2 of 3. Its log stays in the
-# scratch folder (the output folder is full); the lines that matter are printed here.
+# (2 ranks on cuda:0, no pipeline), 2 redundant experts (replica weights and gradients cross the
+# device's all-to-all every step), re-placed after iterations 1 and 2 of 3; every replica is
+# compared bitwise with its owner before each iteration. Its log stays in the scratch folder (the
+# output folder is full); the lines that matter are printed here.
 MOE=(--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2
-     --disable-bias-linear --expert-model-parallel-size 2 --eplb-interval 1 --eplb-threshold 0)
+     --disable-bias-linear --expert-model-parallel-size 2 --eplb-interval 1 --eplb-threshold 0
+     --eplb-redundant-experts 2)
 log="$SCRATCH/megatron_eplb.log"
+export DUALPIPE_EPLB_CHECK_REPLICAS=1
 pretrain_two_ranks megatron_eplb "$log" "${MODEL[@]}" "${MOE[@]}"
 rc=$?
+unset DUALPIPE_EPLB_CHECK_REPLICAS
 if [[ $rc != "$SKIPPED" ]]; then
-    grep -E "^EPLB iteration" "$log"
+    grep -E "^EPLB (iteration|redundant|replica sync)" "$log"
     metric_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: .*eplb_max_mean_load: " "$log")
-    moved=$(grep -cE "^EPLB iteration [0-9]+: moved [1-9][0-9]* experts.*measured" "$log")
+    moved=$(grep -cE "^EPLB iteration [0-9]+: moved [1-9][0-9]* expert(s| slots).*measured" "$log")
+    checked=$(grep -cE "^EPLB replica check: all [1-9][0-9]* replicas equal their owners bitwise" "$log")
     errors=$(grep -c "Traceback" "$log")
-    if [[ $rc == 0 && $metric_lines == 3 && $moved -ge 1 && $errors == 0 ]]; then
-        record megatron_eplb PASS "$WHAT: 3 iterations with the load metric, $moved re-placements moved experts"
+    if [[ $rc == 0 && $metric_lines == 3 && $moved -ge 1 && $checked == 3 && $errors == 0 ]]; then
+        record megatron_eplb PASS "$WHAT: 3 iterations with the load metric, $moved re-placements moved experts, replicas equal owners before all $checked iterations"
     else
         show_tail "$log" 60
-        record megatron_eplb FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $metric_lines of 3 lines with eplb_max_mean_load, $moved re-placements that moved experts, $errors tracebacks"
+        record megatron_eplb FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $metric_lines of 3 lines with eplb_max_mean_load, $moved re-placements that moved experts, $checked of 3 replica checks, $errors tracebacks"
     fi
 fi
 

@@ -104,7 +104,8 @@ def test_router_hook_counts_logically_and_hands_out_physical_columns() -> None:
 def _args(**overrides) -> argparse.Namespace:
     base = dict(eplb_interval=2, eplb_window=4, eplb_threshold=0.0, eplb_stats_file=None, num_experts=8,
                 expert_model_parallel_size=2, async_save=False, use_distributed_optimizer=False,
-                overlap_param_gather=False, moe_token_dispatcher_type="alltoall")
+                overlap_param_gather=False, moe_token_dispatcher_type="alltoall", eplb_redundant_experts=0,
+                pipeline_schedule="dualpipev")
     return argparse.Namespace(**{**base, **overrides})
 
 
@@ -117,6 +118,14 @@ def _args(**overrides) -> argparse.Namespace:
     ({"async_save": True}, "--async-save"),
     ({"use_distributed_optimizer": True, "overlap_param_gather": True}, "--overlap-param-gather"),
     ({"moe_token_dispatcher_type": "flex"}, "alltoall and allgather"),
+    ({"eplb_redundant_experts": -2}, "--eplb-redundant-experts must be >= 0"),
+    ({"eplb_redundant_experts": 3}, "must be a multiple of --expert-model-parallel-size (2)"),
+    ({"eplb_redundant_experts": 2, "expert_model_parallel_size": 1}, "needs --expert-model-parallel-size > 1"),
+    ({"eplb_redundant_experts": 2, "moe_grouped_gemm": True}, "leave out --moe-grouped-gemm"),
+    ({"eplb_redundant_experts": 2, "overlap_grad_reduce": True}, "--overlap-grad-reduce"),
+    ({"eplb_redundant_experts": 2, "pipeline_schedule": "dualpipe"}, "--pipeline-schedule dualpipe"),
+    ({"eplb_redundant_experts": 2, "moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor"),
+    ({"eplb_redundant_experts": 2, "moe_token_dispatcher_type": "flex"}, "alltoall and allgather token"),
 ])
 def test_flags_refuse_what_eplb_cannot_run(overrides: dict, message: str) -> None:
     from dualpipe_megatron.eplb.training import argument_problems
@@ -130,6 +139,8 @@ def test_flags_accept_a_plain_setup_and_stats_only() -> None:
 
     assert argument_problems(_args()) == []
     assert argument_problems(_args(eplb_interval=0, expert_model_parallel_size=1, eplb_stats_file="s.json")) == []
+    assert argument_problems(_args(eplb_redundant_experts=4)) == []
+    assert argument_problems(_args(eplb_interval=0, eplb_redundant_experts=2)) == []  # static copies
 
 
 @pytest.mark.parametrize("untie, mtp, dp, expected", [

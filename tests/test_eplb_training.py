@@ -1,4 +1,5 @@
-"""EPLB re-placement in Megatron training through ``scripts/pretrain_gpt.py`` (4 CPU processes, gloo).
+"""EPLB re-placement and redundant experts in Megatron training through ``scripts/pretrain_gpt.py``
+(4 CPU processes, gloo).
 
 MoE GPT: 8 layers, 8 experts, top-2, alltoall dispatcher, aux loss on, RoPE, tied output layer
 (its copy shares rank 0 with the embedding under DualPipeV: the save at data parallel 2 also
@@ -8,12 +9,18 @@ ranks and the router's output is remapped, so every iteration's ``lm loss`` must
 run without EPLB (relative 1e-5; the combine sums each token's expert outputs in another order)
 and grad norms to 1e-4. Runs:
 
-- EP=2 x P=2 under Megatron's 1F1B with the distributed optimizer, and under DualPipeV with the
-  plain optimizer (both schedules, both optimizer kinds);
-- EP=4 x P=1 (Megatron's no-pipelining schedule: the only way to EP=4 in 4 processes);
+- EP=2 x P=2 with two redundant experts (``--eplb-redundant-experts 2``: 10 compute slots for 8
+  experts, replicas from the first iteration, re-planned with the moves) under Megatron's 1F1B
+  with the distributed optimizer, and under DualPipeV with the plain optimizer (both schedules,
+  both optimizer kinds). ``DUALPIPE_EPLB_CHECK_REPLICAS=1`` compares every replica with its
+  owner bitwise before every iteration (the run fails on a difference; the test counts the
+  checks), and the log says how many routed tokens the replicas computed;
+- EP=4 x P=1 re-placement only (Megatron's no-pipelining schedule: the only way to EP=4 in 4
+  processes);
 - the DualPipeV run saves a checkpoint at iteration 4, right after a move; it resumes *without*
-  EPLB and *with* EPLB (placement and statistics restored), both continuing the uninterrupted
-  run's losses. The checkpoint holds experts in Megatron's order plus ``eplb.json`` (statistics
+  EPLB (no redundancy) and *with* EPLB and redundancy (placement and statistics restored), both
+  continuing the uninterrupted run's losses. The run without EPLB saves too, and resumes with
+  redundant experts: checkpoints go both ways between K = 0 and K > 0. The checkpoint holds experts in Megatron's order plus ``eplb.json`` (statistics
   and the placement). (Resuming the distributed optimizer's checkpoint fails in Megatron 0.19.2
   without Transformer Engine or apex, EPLB or not: ``DistributedOptimizer.state_dict`` asserts
   one Adam ``step`` over an empty state, so the 1F1B run does not save.)
@@ -37,10 +44,15 @@ MOE = ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall
 EP2_P2 = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 EP4 = ["--expert-model-parallel-size", "4"]
 EPLB = ["--eplb-interval", "2", "--eplb-window", "4", "--eplb-threshold", "0"]
+REDUNDANT = [*EPLB, "--eplb-redundant-experts", "2"]
 ITERS, RESUME_FROM = 8, 4
 LOSS_RTOL, NORM_RTOL = 1e-5, 1e-4
-MOVED = re.compile(r"^EPLB iteration (\d+): moved (\d+) experts .* predicted ([0-9.]+)(?:, measured ([0-9.]+))?",
+MOVED = re.compile(r"^EPLB iteration (\d+): moved (\d+) expert(?:s| slots) .* predicted ([0-9.]+)(?:, measured ([0-9.]+))?",
                    re.MULTILINE)
+CHECKED = re.compile(r"^EPLB replica check: all (\d+) replicas equal their owners bitwise \(iteration (\d+)\)$",
+                     re.MULTILINE)
+REPLICA_TOKENS = re.compile(r"^EPLB replica sync: [0-9.]+ ms per step .*replicas computed (\d+) routed tokens",
+                            re.MULTILINE)
 RESUMED = re.compile(r"^EPLB: resumed with (\d+) iterations of the checkpoint's expert load and (.*)$", re.MULTILINE)
 
 ONE_F_ONE_B = [*EP2_P2, "--pipeline-schedule", "1f1b", "--use-distributed-optimizer"]
@@ -49,21 +61,31 @@ DUALPIPEV = [*EP2_P2, "--pipeline-schedule", "dualpipev"]
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("eplb_training")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DUALPIPE_EPLB_CHECK_REPLICAS", "1")
+        return _run_jobs(tmp_path_factory.mktemp("eplb_training"))
+
+
+def _run_jobs(out: Path) -> dict[str, Any]:
     common = [*MOE, *TRAIN, "--train-iters", str(ITERS)]
 
     def stats(name: str) -> list[str]:
         return ["--eplb-stats-file", str(out / f"{name}_stats.json")]
 
-    resume = ["--load", str(out / "ckpt"), "--ckpt-step", str(RESUME_FROM)]  # it saves 4 and 8
+    def save(name: str) -> list[str]:
+        return ["--save", str(out / name), "--save-interval", str(RESUME_FROM)]
+
+    def resume(name: str) -> list[str]:
+        return ["--load", str(out / name), "--ckpt-step", str(RESUME_FROM)]  # saved at 4 and 8
+
     runs = {
         "1f1b": ONE_F_ONE_B,
-        "1f1b_eplb": [*ONE_F_ONE_B, *EPLB, *stats("1f1b_eplb")],
-        "dualpipev": DUALPIPEV,
-        "dualpipev_eplb": [*DUALPIPEV, *EPLB, *stats("dualpipev_eplb"), "--save", str(out / "ckpt"),
-                           "--save-interval", str(RESUME_FROM)],
-        "dualpipev_eplb_resumed_without_eplb": [*DUALPIPEV, *resume],
-        "dualpipev_eplb_resumed_with_eplb": [*DUALPIPEV, *EPLB, *resume],
+        "1f1b_eplb": [*ONE_F_ONE_B, *REDUNDANT, *stats("1f1b_eplb")],
+        "dualpipev": [*DUALPIPEV, *save("ckpt_plain")],
+        "dualpipev_eplb": [*DUALPIPEV, *REDUNDANT, *stats("dualpipev_eplb"), *save("ckpt")],
+        "dualpipev_eplb_resumed_without_eplb": [*DUALPIPEV, *resume("ckpt")],
+        "dualpipev_eplb_resumed_with_eplb": [*DUALPIPEV, *REDUNDANT, *resume("ckpt")],
+        "dualpipev_resumed_with_redundancy": [*DUALPIPEV, *REDUNDANT, *resume("ckpt_plain")],
         "ep4": EP4,
         "ep4_eplb": [*EP4, *EPLB],
     }
@@ -74,7 +96,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             got[name] = {"log": log, "loss": losses(log), "grad_norm": grad_norms(log),
                          "metric": logged(log, "eplb_max_mean_load"),
                          "moves": [(int(i), int(n), float(p), m) for i, n, p, m in MOVED.findall(log)],
-                         "resumed": RESUMED.findall(log)}
+                         "resumed": RESUMED.findall(log),
+                         "checked": [(int(n), int(i)) for n, i in CHECKED.findall(log)],
+                         "replica_tokens": [int(t) for t in REPLICA_TOKENS.findall(log)]}
     except RunFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
@@ -100,6 +124,14 @@ def test_replacement_keeps_losses(jobs: dict[str, Any], reference: str) -> None:
     # The load metric is logged every iteration with EPLB, and not at all without it.
     assert sorted(eplb["metric"]) == list(range(1, ITERS + 1)) and all(v >= 1 for v in eplb["metric"].values())
     assert not plain["metric"]
+    if reference == "ep4":
+        assert not eplb["checked"]
+        return
+    # Redundant experts: replicas checked bitwise before every iteration, and they did compute.
+    assert [i for _, i in eplb["checked"]] == list(range(1, ITERS + 1)), eplb["log"][-3000:]
+    assert all(n > 0 for n, _ in eplb["checked"])
+    assert len(eplb["replica_tokens"]) == ITERS and sum(eplb["replica_tokens"]) > 0
+    assert "EPLB redundant experts: 2 extra slots per MoE layer (10 compute slots for 8 experts)" in eplb["log"]
 
 
 def _after_resume(full: dict[int, float]) -> dict[int, float]:
@@ -125,6 +157,13 @@ def test_checkpoint_resumes_with_eplb_restoring_its_placement(jobs: dict[str, An
     [(window, placement)] = resumed["resumed"]
     assert int(window) == RESUME_FROM and "experts moved" in placement, placement
     assert [m[0] for m in resumed["moves"]] == [6]
+    assert [i for _, i in resumed["checked"]] == list(range(RESUME_FROM + 1, ITERS + 1))
+
+
+def test_checkpoint_without_redundancy_resumes_with_it(jobs: dict[str, Any]) -> None:
+    resumed, full = jobs["dualpipev_resumed_with_redundancy"], jobs["dualpipev"]
+    _equal(resumed["loss"], _after_resume(full["loss"]), LOSS_RTOL, "resumed lm loss")
+    assert [m[0] for m in resumed["moves"]] == [6] and sum(resumed["replica_tokens"]) > 0
 
 
 def test_checkpoint_holds_load_and_placement(jobs: dict[str, Any]) -> None:
@@ -132,9 +171,9 @@ def test_checkpoint_holds_load_and_placement(jobs: dict[str, Any]) -> None:
     saved = json.loads((out / "ckpt" / f"iter_{RESUME_FROM:07d}" / "eplb.json").read_text())
     assert saved["iteration"] == RESUME_FROM and saved["layers"] == list(range(1, 9))
     assert len(saved["history"]) == RESUME_FROM  # window 4, iterations 1-4
-    placement = saved["placement"]
-    assert any(row != list(range(8)) for row in placement), "no move before the save"
-    assert all(sorted(row) == list(range(8)) for row in placement)
+    placement = saved["placement"]  # 10 compute slots per layer: every expert, two of them twice
+    assert all(len(row) == 10 and set(row) == set(range(8)) for row in placement)
+    assert any(row != [0, 1, 2, 3, 4, 4, 5, 6, 7, 0] for row in placement), "no move before the save"
     # Top-2 routing of 16 samples x 8 tokens: every layer routes 2 x 128 tokens per iteration.
     assert all(sum(layer) == 256 for counts in saved["history"] for layer in counts)
 

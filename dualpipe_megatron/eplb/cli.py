@@ -16,6 +16,7 @@ import torch
 from ..schedules.cli import CliParser, positive_int, run_command
 from ..schedules.ir import ScheduleError
 from .guard import gpu_loads, imbalance
+from .placement import as_plan, replica_counts
 from .planner import rebalance_experts
 from .stats import LoadStats, read_stats_file
 
@@ -75,7 +76,7 @@ def read(path: str) -> StatsFile:
                             f"[layers = {layers}, slots]")
         if placement.numel() and not 0 <= int(placement.min()) <= int(placement.max()) < experts:
             raise EplbError(f"{path}: placement holds an expert id outside 0..{experts - 1}")
-        if bool((_counts(placement, experts) == 0).any()):
+        if bool((replica_counts(placement, experts) == 0).any()):
             raise EplbError(f"{path}: placement leaves an expert without a slot")
     ep_size = obj.get("ep_size")
     if ep_size is not None:
@@ -84,17 +85,6 @@ def read(path: str) -> StatsFile:
             raise EplbError(f"{path}: ep_size {ep_size!r} must be a positive divisor of the "
                             f"{slots} slots per layer")
     return StatsFile(path, stats, obj, load, placement, ep_size)
-
-
-def _counts(phy2log: torch.Tensor, experts: int) -> torch.Tensor:
-    """Replicas of each logical expert, ``[layers, experts]``."""
-    counts = torch.zeros(phy2log.size(0), experts, dtype=torch.int64)
-    return counts.scatter_add_(1, phy2log, torch.ones_like(phy2log))
-
-
-def _as_plan(phy2log: torch.Tensor, experts: int) -> tuple[torch.Tensor, None, torch.Tensor]:
-    """The ``(phy2log, log2phy, logcnt)`` :func:`gpu_loads` reads; it needs no ``log2phy``."""
-    return phy2log, None, _counts(phy2log, experts)
 
 
 def _current(f: StatsFile, slots: int) -> tuple[torch.Tensor | None, str]:
@@ -134,7 +124,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     experts = f.stats.num_experts
     current, source = _current(f, args.replicas)
     after = gpu_loads(plan, f.load, args.gpus)
-    before = None if current is None else gpu_loads(_as_plan(current, experts), f.load, args.gpus)
+    before = None if current is None else gpu_loads(as_plan(current, experts), f.load, args.gpus)
     policy = "hierarchical" if args.groups % args.nodes == 0 else "global (nodes do not divide groups)"
     print(f.header())
     print(f"plan: replicas {args.replicas}, groups {args.groups}, nodes {args.nodes}, "
@@ -148,7 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print("  replicas: " + (", ".join(extra) if extra else "one per expert"))
         print("  GPU load before: " + ("n/a" if before is None else _loads(before[i])))
         print("  GPU load after:  " + _loads(after[i]))
-    imb_before = None if current is None else imbalance(_as_plan(current, experts), f.load, args.gpus)
+    imb_before = None if current is None else imbalance(as_plan(current, experts), f.load, args.gpus)
     imb_after = imbalance(plan, f.load, args.gpus)
     print("step max/mean GPU load (sum of layer maxima / sum of layer means): "
           f"{'n/a' if imb_before is None else f'{imb_before:.3f}'} -> {imb_after:.3f}")
@@ -171,7 +161,7 @@ def cmd_stats(args: argparse.Namespace) -> None:
     if f.ep_size is not None:
         print(f"EP ranks: {f.ep_size}, placement: {source}")
     assert current is not None  # the file's placement, else the identity
-    plan = _as_plan(current, f.stats.num_experts)
+    plan = as_plan(current, f.stats.num_experts)
     ranks = None if f.ep_size is None else gpu_loads(plan, f.load, f.ep_size)
     for i, layer in enumerate(f.stats.layers):
         row = f.load[i]

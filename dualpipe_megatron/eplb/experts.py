@@ -4,7 +4,9 @@ Megatron places expert ``i`` of EP rank ``r`` at global index ``r * k + i`` and 
 index space. We keep the router logical (group-limited routing, expert bias and aux losses
 all index logical experts) and permute its output columns into physical slot order, so the
 dispatcher sends each token to the slot that now holds its expert: the model computes the
-same function whatever the placement. The same hook counts tokens per logical expert.
+same function whatever the placement. With redundant experts the columns become compute
+slots instead, one copy per routed token (:func:`.redundancy.route_to_copies`). The same hook
+counts tokens per logical expert.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .redundancy import route_to_copies
 
 # (kind, number): kind "decoder" or "mtp"; number is the layer's own 1-based layer_number.
 LayerKey = tuple[str, int]
@@ -33,6 +37,9 @@ class MoELayerHandle:
     phy2log: torch.Tensor | None = None  # None: Megatron's identity placement
     counts: torch.Tensor | None = None  # this rank's tokens per logical expert since the last read
     hook: Any = field(default=None, repr=False)
+    moe: torch.nn.Module | None = field(default=None, repr=False)  # the MoELayer itself
+    copies: Any = None  # redundancy.CopyTable with redundant experts (then phy2log places parameters only)
+    slot_counts: torch.Tensor | None = None  # with redundant experts: this rank's tokens per compute slot
 
     @property
     def ep_size(self) -> int:
@@ -77,7 +84,7 @@ def find_moe_layers(model_chunks: list[torch.nn.Module]) -> list[MoELayerHandle]
             found.append(MoELayerHandle(
                 key=(kind, int(module.layer_number)), router=module.router, experts=module.experts,
                 num_experts=module.config.num_moe_experts, ep_group=module.ep_group,
-                slot_params=expert_slots(module.experts, num_local)))
+                slot_params=expert_slots(module.experts, num_local), moe=module))
     return found
 
 
@@ -90,6 +97,12 @@ def install_router_hook(layer: MoELayerHandle) -> None:
         if module.training:
             tokens = routing_map.sum(dim=0, dtype=torch.int64)
             layer.counts = tokens if layer.counts is None else layer.counts + tokens
+        if layer.copies is not None:
+            probs, routing_map = route_to_copies(probs, routing_map, layer.copies, layer.ep_rank)
+            if module.training:
+                tokens = routing_map.sum(dim=0, dtype=torch.int64)
+                layer.slot_counts = tokens if layer.slot_counts is None else layer.slot_counts + tokens
+            return probs, routing_map
         if layer.phy2log is None:
             return output
         columns = layer.phy2log.to(probs.device)
@@ -106,5 +119,12 @@ def take_counts(layer: MoELayerHandle) -> torch.Tensor:
     return torch.zeros(layer.num_experts, dtype=torch.int64) if counts is None else counts.cpu()
 
 
+def take_slot_counts(layer: MoELayerHandle) -> torch.Tensor:
+    """With redundant experts: tokens per compute slot routed here since the last call."""
+    counts = layer.slot_counts
+    layer.slot_counts = None
+    return torch.zeros(layer.copies.num_slots, dtype=torch.int64) if counts is None else counts.cpu()
+
+
 __all__ = ["LayerKey", "MoELayerHandle", "expert_slots", "find_moe_layers", "install_router_hook",
-           "take_counts"]
+           "take_counts", "take_slot_counts"]

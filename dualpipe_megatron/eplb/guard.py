@@ -38,9 +38,19 @@ def imbalance(placement: Sequence[torch.Tensor], load: torch.Tensor, num_gpus: i
     Each layer waits for its busiest GPU, so this is the predicted step time
     relative to a perfectly balanced placement.
     """
-    per_gpu = gpu_loads(placement, load, num_gpus)
+    return overall_imbalance(gpu_loads(placement, load, num_gpus))
+
+
+def overall_imbalance(per_gpu: torch.Tensor) -> float:
+    """:func:`imbalance` of ``[layers, num_gpus]`` loads (predicted or measured)."""
     mean = float(per_gpu.mean(dim=1).sum())
     return float(per_gpu.max(dim=1).values.sum()) / mean if mean > 0 else 1.0
+
+
+def layer_imbalance(per_gpu: torch.Tensor) -> torch.Tensor:
+    """Each layer's busiest GPU over its mean GPU, ``[layers]`` (1 where nothing was routed)."""
+    mean = per_gpu.mean(dim=1)
+    return torch.where(mean > 0, per_gpu.max(dim=1).values / mean.clamp_min(1e-30), torch.ones_like(mean))
 
 
 def adopt(current: Sequence[torch.Tensor], proposed: Sequence[torch.Tensor], load: torch.Tensor,

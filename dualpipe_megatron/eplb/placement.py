@@ -1,13 +1,16 @@
-"""Placements without redundancy: which logical expert each physical expert slot holds.
+"""Placements: which logical expert each physical expert slot holds.
 
-A placement of one MoE layer is ``phy2log`` (``[num_experts]``, a permutation): slot ``p``
-lives on EP rank ``p // k`` (``k`` = experts per rank) and holds logical expert
-``phy2log[p]``. Megatron's own placement is the identity. Every change moves expert weights
-and optimizer state between ranks, so :func:`align` renumbers a planned placement to keep
-as many experts where they already are as the plan allows.
+A placement of one MoE layer is ``phy2log`` (``[slots]``): slot ``p`` lives on EP rank
+``p // k`` (``k`` = slots per rank) and holds logical expert ``phy2log[p]``. Without redundant
+experts it is a permutation of the experts, and Megatron's own placement is the identity; with
+them (:mod:`.redundancy`) an expert may hold several slots. Every change moves expert weights
+between ranks, so :func:`align` renumbers a planned placement to keep as many experts where
+they already are as the plan allows.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -17,10 +20,16 @@ def identity(num_layers: int, num_experts: int) -> torch.Tensor:
     return torch.arange(num_experts).repeat(num_layers, 1)
 
 
-def as_plan(phy2log: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(phy2log, log2phy, logcnt)`` of permutations, the form :mod:`.guard` takes."""
-    log2phy = torch.argsort(phy2log, dim=-1).unsqueeze(-1)
-    return phy2log, log2phy, torch.ones_like(phy2log)
+def replica_counts(phy2log: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots of each logical expert, ``[layers, num_experts]``."""
+    counts = torch.zeros(phy2log.size(0), num_experts, dtype=torch.int64)
+    return counts.scatter_add_(1, phy2log, torch.ones_like(phy2log))
+
+
+def as_plan(phy2log: torch.Tensor, num_experts: int | None = None) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """``(phy2log, log2phy, logcnt)`` as :mod:`.guard` reads it (it needs no ``log2phy``);
+    ``num_experts`` defaults to the slots (a permutation)."""
+    return phy2log, None, replica_counts(phy2log, num_experts or phy2log.size(-1))
 
 
 def check_permutation(phy2log: torch.Tensor, num_experts: int) -> None:
@@ -37,10 +46,10 @@ def align(current: torch.Tensor, proposed: torch.Tensor, ep_size: int) -> torch.
 
     The planner's packs are unordered and so are the slots within one: each pack goes to the
     rank already holding most of its experts (greedy by overlap), and each expert staying on
-    its rank keeps its slot.
+    its rank keeps its slot (with redundant experts, as many of its copies as stay).
     """
-    num_experts = current.numel()
-    per_rank = num_experts // ep_size
+    num_slots = current.numel()
+    per_rank = num_slots // ep_size
     now = [set(current[r * per_rank:(r + 1) * per_rank].tolist()) for r in range(ep_size)]
     packs = [proposed[g * per_rank:(g + 1) * per_rank].tolist() for g in range(ep_size)]
     pairs = sorted(((len(now[r] & set(pack)), -g, -r) for g, pack in enumerate(packs) for r in range(ep_size)),
@@ -56,11 +65,24 @@ def align(current: torch.Tensor, proposed: torch.Tensor, ep_size: int) -> torch.
     for g, pack in enumerate(packs):
         r = rank_of[g]
         slots = current[r * per_rank:(r + 1) * per_rank].tolist()
-        staying = set(pack) & set(slots)
-        arriving = iter(e for e in pack if e not in staying)
+        wanted = Counter(pack)  # the pack's experts not yet given a slot
+        kept: list[int | None] = []
+        for e in slots:
+            stays = wanted[e] > 0
+            kept.append(e if stays else None)
+            wanted[e] -= stays
+        arriving = iter([e for e in pack for _ in range(_take(wanted, e))])
         out[r * per_rank:(r + 1) * per_rank] = torch.tensor(
-            [e if e in staying else next(arriving) for e in slots])
+            [e if e is not None else next(arriving) for e in kept])
     return out
+
+
+def _take(wanted: Counter, e: int) -> int:
+    """1 (and one fewer wanted) if ``e`` is still wanted, else 0: hands out copies in pack order."""
+    if wanted[e] <= 0:
+        return 0
+    wanted[e] -= 1
+    return 1
 
 
 def sources(current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -68,4 +90,4 @@ def sources(current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.argsort(current)[new]
 
 
-__all__ = ["align", "as_plan", "check_permutation", "identity", "sources"]
+__all__ = ["align", "as_plan", "check_permutation", "identity", "replica_counts", "sources"]

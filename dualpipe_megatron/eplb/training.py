@@ -2,9 +2,11 @@
 
 :func:`install` patches, once and guarded (its own :class:`PatchSet`), these call-time lookups:
 
-- ``training.train_step``: the first call finds the MoE layers and hooks their routers; after
-  every step, :class:`EplbController` sums the step's token counts over all ranks, logs
-  them and, every ``--eplb-interval`` steps, re-places experts;
+- ``training.train_step``: the first call finds the MoE layers and hooks their routers (with
+  ``--eplb-redundant-experts``, also gives each layer its compute slots and replicas and wraps
+  ``config.finalize_model_grads_func`` to add replica gradients into their owners' first); after
+  every step, :class:`EplbController` copies owners' weights to replicas, sums the step's token
+  counts over all ranks, logs them and, every ``--eplb-interval`` steps, re-places experts;
 - ``training.save_checkpoint``: saves experts in logical order (placement undone around the
   save) and writes ``eplb.json`` (statistics and placement) into the checkpoint directory;
 - ``training.load_checkpoint``: reads that file back, restored at the first step;
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,17 +29,20 @@ import torch.distributed as dist
 
 from ..megatron.guard import PatchSet, around, check_private_symbols, check_version
 from ..megatron.training_support import register_arguments
-from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts
-from .guard import adopt, gpu_loads, imbalance
+from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts, take_slot_counts
+from .guard import adopt, imbalance, layer_imbalance, overall_imbalance
 from .moves import move_experts
 from .optimizer_state import PRIVATE_CALLS, OptimizerTensors
 from .placement import align, as_plan, identity
 from .planner import rebalance_experts
+from .redundancy import choose_owners, initial_slots
+from .replicas import LayerReplicas
 from .stats import LoadStats
 
 PATCHES = PatchSet("EPLB")
 METRIC = "eplb_max_mean_load"
 STATS_FILE_NAME = "eplb.json"
+CHECK_REPLICAS_ENV = "DUALPIPE_EPLB_CHECK_REPLICAS"  # "1": before every step, compare replicas with owners
 
 _state: dict[str, Any] = {"controller": None, "loaded": None}
 
@@ -47,10 +53,11 @@ class EplbOptions:
     window: int
     threshold: float
     stats_file: str | None
+    redundant: int = 0
 
     @property
     def collecting(self) -> bool:
-        return self.interval > 0 or self.stats_file is not None
+        return self.interval > 0 or self.stats_file is not None or self.redundant > 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,11 +78,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--eplb-stats-file", default=None, metavar="FILE",
         help="Collect expert load (also without --eplb-interval) and write it to FILE as JSON every "
              "--log-interval iterations; 'python -m dualpipe_megatron.eplb stats|plan' reads it.")
+    group.add_argument(
+        "--eplb-redundant-experts", type=int, default=0, metavar="K",
+        help="K extra expert slots per MoE layer over the EP group (a multiple of the EP size): hot "
+             "experts get copies that share their tokens. Copies are replicas of the owner's weights "
+             "outside the model (not in the optimizer or checkpoints); their gradients are added to the "
+             "owner's before the data-parallel reduction and the updated weights copied back after each "
+             "step. The planner places them every --eplb-interval iterations. 0: off.")
     return parser
 
 
 def options_from_args(args: argparse.Namespace) -> EplbOptions:
-    return EplbOptions(args.eplb_interval, args.eplb_window, args.eplb_threshold, args.eplb_stats_file)
+    return EplbOptions(args.eplb_interval, args.eplb_window, args.eplb_threshold, args.eplb_stats_file,
+                       args.eplb_redundant_experts)
 
 
 def argument_problems(args: argparse.Namespace) -> list[str]:
@@ -90,9 +105,13 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--eplb-threshold must be >= 0, got {options.threshold}")
     if not options.collecting:
         return problems
+    if options.redundant < 0:
+        problems.append(f"--eplb-redundant-experts must be >= 0, got {options.redundant}")
     if not getattr(args, "num_experts", None):
-        problems.append("--eplb-interval/--eplb-stats-file need an MoE model (--num-experts)")
+        problems.append("--eplb-interval/--eplb-stats-file/--eplb-redundant-experts need an MoE model (--num-experts)")
         return problems
+    if options.redundant > 0:
+        problems += _redundancy_problems(args, options.redundant)
     if options.interval > 0:
         if args.expert_model_parallel_size < 2:
             problems.append("--eplb-interval needs --expert-model-parallel-size > 1 (there is nothing to re-place)")
@@ -106,6 +125,34 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def _redundancy_problems(args: argparse.Namespace, redundant: int) -> list[str]:
+    """What redundant experts cannot run with (see docs/eplb.md, "Redundant experts")."""
+    ep = args.expert_model_parallel_size
+    problems = []
+    if ep < 2:
+        problems.append("--eplb-redundant-experts needs --expert-model-parallel-size > 1")
+    elif redundant % ep:
+        problems.append(f"--eplb-redundant-experts ({redundant}) must be a multiple of "
+                        f"--expert-model-parallel-size ({ep})")
+    if getattr(args, "moe_token_dispatcher_type", "alltoall") not in ("alltoall", "allgather"):
+        problems.append("--eplb-redundant-experts supports the alltoall and allgather token dispatchers")
+    if getattr(args, "moe_grouped_gemm", False):
+        problems.append("--eplb-redundant-experts needs SequentialMLP experts: leave out --moe-grouped-gemm")
+    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+        problems.append("--eplb-redundant-experts with --moe-expert-capacity-factor is not supported "
+                        "(capacity would count slots, not experts)")
+    if getattr(args, "fp8", None) or getattr(args, "fp4", None):
+        problems.append("--eplb-redundant-experts does not support FP8/FP4 experts")
+    if getattr(args, "overlap_grad_reduce", False):
+        problems.append("--eplb-redundant-experts with --overlap-grad-reduce is not supported (replica "
+                        "gradients must reach their owners before the data-parallel reduction starts)")
+    if getattr(args, "pipeline_schedule", None) == "dualpipe":
+        problems.append("--eplb-redundant-experts is not supported under --pipeline-schedule dualpipe "
+                        "(its mirrored gradients are summed before replicas reach their owners); "
+                        "dualpipev and Megatron's schedules are")
+    return problems
+
+
 # -- the controller --------------------------------------------------------------------------------
 
 
@@ -113,12 +160,6 @@ def _layer_number(key: LayerKey, num_layers: int) -> int:
     """Global 1-based MoE layer number: decoder layers, then MTP layers (Megatron's tracker order)."""
     kind, number = key
     return number if kind == "decoder" else num_layers + number
-
-
-def _imbalance_per_layer(placement: torch.Tensor, load: torch.Tensor, ep_size: int) -> torch.Tensor:
-    per_rank = gpu_loads(as_plan(placement), load, ep_size)
-    mean = per_rank.mean(dim=1)
-    return torch.where(mean > 0, per_rank.max(dim=1).values / mean.clamp_min(1e-30), torch.ones_like(mean))
 
 
 class EplbController:
@@ -139,33 +180,108 @@ class EplbController:
         self.ep_size = args.expert_model_parallel_size
         self.layer_numbers = [_layer_number(k, args.num_layers) for k in self.keys]
         self.stats = LoadStats(self.layer_numbers, self.num_experts, options.window)
-        self.placement = identity(len(self.keys), self.num_experts)
+        self.placement = identity(len(self.keys), self.num_experts)  # where the parameters are
         self.optimizer = optimizer
         self.states: OptimizerTensors | None = None  # built at the first move
         self.device = next(model[0].parameters()).device
         self.pending: str | None = None
+        self.sync_seconds: list[float] = []
         for handle in self.handles:
             install_router_hook(handle)
+        self.num_slots = self.num_experts + options.redundant
+        self.slots: torch.Tensor | None = None  # compute slots, with redundant experts
+        if options.redundant:
+            self.slots = initial_slots(self.num_experts, options.redundant, self.ep_size).repeat(len(self.keys), 1)
+            self.replicas = {id(h): LayerReplicas(h, self.num_slots) for h in self.handles}
+            self._place_replicas()
+            _wrap_finalize(model, self)
+            self._report_memory()
+
+    @property
+    def compute_placement(self) -> torch.Tensor:
+        """Which logical expert each compute slot runs (the parameters' placement without redundancy)."""
+        return self.placement if self.slots is None else self.slots
+
+    # -- redundant experts -----------------------------------------------------------------------
+    def _place_replicas(self) -> None:
+        for handle in self.handles:
+            row = self.row[handle.key]
+            self.replicas[id(handle)].place(self.slots[row], self.placement[row])
+
+    def _timed(self, method: str) -> None:
+        start = time.perf_counter()
+        for handle in self.handles:
+            getattr(self.replicas[id(handle)], method)()
+        self.sync_seconds.append(time.perf_counter() - start)
+
+    def reduce_replica_grads(self) -> None:
+        """Replica gradients into their owners' (called right before Megatron's grad finalization)."""
+        self._timed("reduce_grads")
+
+    def check_replicas(self, iteration: int) -> None:
+        """Compare every replica with its owner, bitwise; fail loudly on any difference."""
+        bad = torch.tensor([sum(self.replicas[id(h)].mismatches() for h in self.handles)], device=self.device)
+        copies = torch.tensor([sum(len(self.replicas[id(h)].buffers) for h in self.handles)], device=self.device)
+        dist.all_reduce(bad)
+        dist.all_reduce(copies)
+        if int(bad):
+            raise RuntimeError(f"EPLB: {int(bad)} replica tensors differ from their owners before iteration {iteration}")
+        _print_last(f"EPLB replica check: all {int(copies)} replicas equal their owners bitwise (iteration {iteration})")
+
+    def _report_memory(self) -> None:
+        extra = torch.tensor([sum(self.replicas[id(h)].extra_bytes for h in self.handles)], device=self.device)
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+        _print_last(f"EPLB redundant experts: {self.options.redundant} extra slots per MoE layer "
+                    f"({self.num_slots} compute slots for {self.num_experts} experts); replicas hold "
+                    f"{int(extra) / 2**20:.2f} MiB on the busiest rank (weights + gradient buffers)")
+
+    def _report_sync(self, iteration: int) -> None:
+        spent = torch.tensor([sum(self.sync_seconds)], dtype=torch.float64, device=self.device)
+        tokens = torch.tensor([sum(r.replica_tokens for r in self.replicas.values())], device=self.device)
+        for r in self.replicas.values():
+            r.replica_tokens = 0
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tokens)
+        steps = max(1, len(self.sync_seconds) // 2)
+        _print_last(f"EPLB replica sync: {1e3 * float(spent) / steps:.2f} ms per step (gradients to owners + "
+                    f"weights to replicas, busiest rank); replicas computed {int(tokens)} routed tokens "
+                    f"(iterations up to {iteration})")
+        self.sync_seconds.clear()
 
     # -- per step ------------------------------------------------------------------------------
-    def _step_counts(self) -> torch.Tensor:
-        """This step's tokens per logical expert, ``[layers, experts]``, summed over every rank."""
-        counts = torch.zeros(len(self.keys), self.num_experts, dtype=torch.int64)
+    def _step_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's tokens per logical expert ``[layers, experts]`` and per compute slot
+        ``[layers, slots]`` (the same without redundant experts), summed over every rank."""
+        counts = torch.zeros(len(self.keys), self.num_experts + self.num_slots, dtype=torch.int64)
         for handle in self.handles:
-            counts[self.row[handle.key]] += take_counts(handle)
+            row = self.row[handle.key]
+            counts[row, :self.num_experts] += take_counts(handle)
+            if self.slots is not None:
+                counts[row, self.num_experts:] += take_slot_counts(handle)
         counts = counts.to(self.device)
         dist.all_reduce(counts)
         duplicates = 1 if self.args.sequence_parallel else self.args.tensor_model_parallel_size
-        return counts.cpu() // duplicates  # TP ranks without SP route the same tokens
+        counts = counts.cpu() // duplicates  # TP ranks without SP route the same tokens
+        logical = counts[:, :self.num_experts]
+        if self.slots is None:
+            return logical, logical.gather(1, self.placement)
+        return logical, counts[:, self.num_experts:]
+
+    def before_step(self, iteration: int) -> None:
+        if self.slots is not None and os.environ.get(CHECK_REPLICAS_ENV) == "1":
+            self.check_replicas(iteration)
 
     def after_step(self, iteration: int) -> None:
-        counts = self._step_counts()
+        if self.slots is not None:
+            self._timed("sync_weights")  # the optimizer has just updated the owners
+            if iteration % self.args.log_interval == 0 or iteration == self.args.train_iters:
+                self._report_sync(iteration)
+        counts, per_slot = self._step_counts()
         self.stats.add(counts)
-        measured = _imbalance_per_layer(self.placement, counts.double(), self.ep_size)
-        self._record_metric(measured)
+        per_rank = per_slot.double().view(len(self.keys), self.ep_size, -1).sum(dim=-1)
+        self._record_metric(layer_imbalance(per_rank))
         if self.pending is not None:
-            _print_last(f"{self.pending}, measured {imbalance(as_plan(self.placement), counts.double(), self.ep_size):.3f} "
-                        f"(iteration {iteration})")
+            _print_last(f"{self.pending}, measured {overall_imbalance(per_rank):.3f} (iteration {iteration})")
             self.pending = None
         interval = self.options.interval
         if interval and iteration % interval == 0 and iteration < self.args.train_iters:
@@ -177,19 +293,28 @@ class EplbController:
     def replace(self, iteration: int) -> None:
         """Plan from the window's average load, keep what the guard rejects, move the rest."""
         load = self.stats.average()
-        new = self.placement.clone()
+        current = self.compute_placement
+        new = current.clone()
         for row in range(len(self.keys)):
-            phy2log = rebalance_experts(load[row:row + 1], self.num_experts, 1, 1, self.ep_size)[0][0]
-            proposed = align(self.placement[row], phy2log, self.ep_size)
-            chosen = adopt(as_plan(self.placement[row:row + 1]), as_plan(proposed[None]), load[row:row + 1],
+            phy2log = rebalance_experts(load[row:row + 1], self.num_slots, 1, 1, self.ep_size)[0][0]
+            proposed = align(current[row], phy2log, self.ep_size)
+            chosen = adopt(as_plan(current[row:row + 1], self.num_experts),
+                           as_plan(proposed[None], self.num_experts), load[row:row + 1],
                            self.options.threshold, num_gpus=self.ep_size)
             new[row] = chosen[0][0]
-        before = imbalance(as_plan(self.placement), load, self.ep_size)
-        predicted = imbalance(as_plan(new), load, self.ep_size)
-        changed = (new != self.placement)
+        before = imbalance(as_plan(current, self.num_experts), load, self.ep_size)
+        predicted = imbalance(as_plan(new, self.num_experts), load, self.ep_size)
+        changed = (new != current)
         moved, layers = int(changed.sum()), int(changed.any(dim=1).sum())
-        self.apply(new)
-        head = (f"EPLB iteration {iteration}: moved {moved} experts in {layers} of {len(self.keys)} MoE layers; "
+        if self.slots is None:
+            self.apply(new)
+            what = "experts"
+        else:
+            owners = torch.stack([choose_owners(new[r], self.placement[r], self.ep_size) for r in range(len(self.keys))])
+            owners_moved = int((owners != self.placement).sum())
+            self.apply(owners, new)
+            what = f"expert slots (parameters of {owners_moved} experts moved)"
+        head = (f"EPLB iteration {iteration}: moved {moved} {what} in {layers} of {len(self.keys)} MoE layers; "
                 f"max/mean tokens per EP rank (window of {len(self.stats.history)}): before {before:.3f}, "
                 f"predicted {predicted:.3f}")
         if moved:
@@ -197,13 +322,17 @@ class EplbController:
         else:
             _print_last(f"{head} (kept: gain below --eplb-threshold {self.options.threshold:g})")
 
-    def apply(self, placement: torch.Tensor) -> None:
-        """Move this rank's experts to ``placement`` (collective over EP and expert-DP groups)."""
+    def apply(self, placement: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Move this rank's expert parameters to ``placement`` and, with redundant experts, compute
+        ``slots`` (replicas re-made and filled); collective over EP and expert-DP groups."""
         if self.states is None:
             self.states = OptimizerTensors(self.optimizer)
         for handle in self.handles:
             move_experts(handle, placement[self.row[handle.key]], self.states)
         self.placement = placement.clone()
+        if slots is not None:
+            self.slots = slots.clone()
+            self._place_replicas()
 
     @property
     def placed(self) -> bool:
@@ -227,7 +356,7 @@ class EplbController:
     # -- files -------------------------------------------------------------------------------
     def write_stats(self, path: str, iteration: int) -> None:
         if dist.get_rank() == dist.get_world_size() - 1 and not self.stats.empty:
-            self.stats.save(path, iteration, self.placement, self.ep_size)
+            self.stats.save(path, iteration, self.compute_placement, self.ep_size)
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Statistics and placement from a checkpoint's ``eplb.json`` (if they fit this model)."""
@@ -239,9 +368,22 @@ class EplbController:
             self.stats.add(torch.tensor(counts, dtype=torch.float64))
         placement = saved.get("placement")
         restored = "Megatron's placement"
-        if self.options.interval > 0 and placement is not None and saved.get("ep_size") == self.ep_size:
-            self.apply(torch.tensor(placement, dtype=torch.int64))
-            restored = f"its placement ({int((self.placement != identity(*self.placement.shape)).sum())} experts moved)"
+        fits = (placement is not None and saved.get("ep_size") == self.ep_size
+                and len(placement[0]) == self.num_slots)
+        if self.options.interval > 0 and fits:
+            placement = torch.tensor(placement, dtype=torch.int64)
+            if self.slots is None:
+                self.apply(placement)
+                restored = f"its placement ({int((self.placement != identity(*self.placement.shape)).sum())} experts moved)"
+            else:
+                changed = int((placement != self.slots).sum())
+                owners = torch.stack([choose_owners(row, self.placement[r], self.ep_size)
+                                      for r, row in enumerate(placement)])
+                self.apply(owners, placement)
+                restored = f"its placement ({changed} experts moved)"
+        elif placement is not None and not fits:
+            restored = (f"Megatron's placement (the checkpoint's has {len(placement[0])} slots per layer at "
+                        f"EP {saved.get('ep_size')}; this job {self.num_slots} at EP {self.ep_size})")
         _print_last(f"EPLB: resumed with {len(self.stats.history)} iterations of the checkpoint's expert load "
                     f"and {restored}")
 
@@ -271,12 +413,35 @@ def _train_step(original: Callable, forward_step_func: Any, data_iterator: Any, 
         controller = _state["controller"] = EplbController(options, get_args(), model, optimizer)
         if _state["loaded"] is not None:
             controller.restore(_state["loaded"])
+    if controller is not None:
+        from megatron.training.global_vars import get_args
+
+        controller.before_step(get_args().curr_iteration + 1)
     result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
     if controller is not None:
         from megatron.training.global_vars import get_args
 
         controller.after_step(get_args().curr_iteration + 1)
     return result
+
+
+def _wrap_finalize(model: list[torch.nn.Module], controller: EplbController) -> None:
+    """Make the model config's ``finalize_model_grads_func`` add replica gradients into their owners'
+    first, so Megatron's data-parallel reduction, grad norm and clipping see each expert once."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    inner = config.finalize_model_grads_func
+    if inner is None:
+        raise RuntimeError("EPLB redundant experts: Megatron set no finalize_model_grads_func")
+    inner = getattr(inner, "eplb_inner", inner)  # a job's second controller replaces the first's wrapper
+
+    def finalize_with_replicas(*args: Any, **kwargs: Any) -> Any:
+        controller.reduce_replica_grads()
+        return inner(*args, **kwargs)
+
+    finalize_with_replicas.eplb_inner = inner  # type: ignore[attr-defined]
+    config.finalize_model_grads_func = finalize_with_replicas
 
 
 def _save_checkpoint(original: Callable, iteration: int, *args: Any, **kwargs: Any) -> Any:
@@ -295,7 +460,8 @@ def _save_checkpoint(original: Callable, iteration: int, *args: Any, **kwargs: A
         from megatron.training.global_vars import get_args
 
         directory = get_checkpoint_name(get_args().save, iteration, return_base_dir=True)
-        controller.stats.save(os.path.join(directory, STATS_FILE_NAME), iteration, placement, controller.ep_size)
+        controller.stats.save(os.path.join(directory, STATS_FILE_NAME), iteration, controller.compute_placement,
+                              controller.ep_size)
     return result
 
 
