@@ -10,6 +10,14 @@ not computing, averaged over ranks; see busy_time.py), CPU seconds of all ranks,
 activation bytes and parameter bytes per rank. Dense configurations also run torch's
 ``ScheduleDualPipeV`` and our native ``Pipeline`` on a plain-module GPT of the same shapes.
 
+``dualpipev-tuned`` closes the loop of issue 16: after the warm-up rounds (and a few more
+steps of plain ``dualpipev``, traced), every rank reads the stage costs those traces measured
+(``python -m dualpipe_megatron.trace costs``), builds DualPipeV with ``--dualpipe-layout auto``'s
+split and the op order optimized for those costs (``--dualpipe-optimize-order
+--dualpipe-stage-costs``), warms it up and times it in the same rounds. Megatron's 1F1B could
+count the embedding and the loss as layers in its split; the results say what Megatron makes
+of that for each configuration (at P=2 its own split, at P=4 with 8 layers a refusal).
+
 Prints a markdown table and writes ``bench/results/megatron_schedules.json``.
 
 Run: ``.venv/bin/python bench/bench_megatron.py [--configs dense-p2 dense-p4 moe-p2-ep2] [--repeats 12]``.
@@ -39,12 +47,13 @@ import torch.multiprocessing as mp
 import megatron_gpt  # bench/ modules: this script's directory is on sys.path
 import plain_gpt
 from busy_time import ComputeClock, time_megatron_compute
-from megatron_gpt import MEGATRON_SCHEDULES, OUR_SCHEDULES, GPTShape
+from megatron_gpt import MEGATRON_SCHEDULES, OUR_SCHEDULES, TUNED, GPTShape
 from ports import free_port
 from schedule_report import markdown, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results" / "megatron_schedules.json"
 CONFIGS = ("dense-p2", "dense-p4", "moe-p2-ep2")
+CALIBRATION_STEPS = 3  # plain dualpipev steps traced after warm-up for the tuned variant's stage costs
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class BenchConfig:
         return self.microbatches * self.shape.micro_batch * self.shape.seq * self.ep
 
     def schedules(self) -> list[str]:
-        return [*MEGATRON_SCHEDULES, *OUR_SCHEDULES, *(plain_gpt.PLAIN_SCHEDULES if self.plain else ())]
+        return [*MEGATRON_SCHEDULES, *OUR_SCHEDULES, TUNED, *(plain_gpt.PLAIN_SCHEDULES if self.plain else ())]
 
 
 def quiet_megatron_imports() -> None:
@@ -115,6 +124,15 @@ def _worker(rank: int, config: BenchConfig, port: int, out_dir: str, traces: Pat
     for _ in range(config.warmup):
         for v in variants:
             v.warm_up()
+    measured = variants[[v.name for v in variants].index("dualpipev")]
+    for _ in range(CALIBRATION_STEPS):
+        measured.warm_up()
+    dist.barrier()  # every rank's calibration steps are on disk
+    tuned, tuned_info = megatron_gpt.tuned_variant(config.shape, config.pp, config.ep, config.microbatches,
+                                                   traces)
+    for _ in range(config.warmup):
+        tuned.warm_up()
+    variants.insert(variants.index(measured) + 1, tuned)
     for r in range(config.repeats):
         for v in variants if r % 2 == 0 else variants[::-1]:
             v.timed_step()
@@ -124,7 +142,7 @@ def _worker(rank: int, config: BenchConfig, port: int, out_dir: str, traces: Pat
     dist.all_gather_object(gathered, {v.name: v.summary() for v in variants})
     if rank == 0:
         with open(os.path.join(out_dir, "summary.pkl"), "wb") as f:
-            pickle.dump(gathered, f)
+            pickle.dump({"ranks": gathered, "tuned": tuned_info}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -137,12 +155,13 @@ def measure(config: BenchConfig, keep_traces: Path | None) -> dict:
         mp.start_processes(_worker, args=(config, port, out_dir, traces), nprocs=config.world,
                            start_method="spawn")
         with open(os.path.join(out_dir, "summary.pkl"), "rb") as f:
-            per_rank = pickle.load(f)
+            got = pickle.load(f)
     return {"name": config.name, "pp": config.pp, "ep": config.ep, "dp": config.ep, "world": config.world,
             "microbatches": config.microbatches, "tokens_per_step": config.tokens_per_step,
             "shape": asdict(config.shape), "warmup": config.warmup, "repeats": config.repeats,
             "wall_s": time.perf_counter() - start, "load_1min": [load_before, os.getloadavg()[0]],
-            "schedules": summarize(per_rank, config.tokens_per_step)}
+            "megatron_1f1b_embedding_loss_accounting": megatron_gpt.accounting_effect(config.shape, config.pp),
+            "tuned": got["tuned"], "schedules": summarize(got["ranks"], config.tokens_per_step)}
 
 
 def machine() -> dict[str, object]:
@@ -201,7 +220,10 @@ def main() -> None:
         results.append(measure(config, args.keep_traces))
         done = results[-1]
         print(f"{config.name}: done in {done['wall_s']:.0f} s; 1-minute load average "
-              f"{done['load_1min'][0]:.1f} before, {done['load_1min'][1]:.1f} after", flush=True)
+              f"{done['load_1min'][0]:.1f} before, {done['load_1min'][1]:.1f} after; tuned dualpipev: layout "
+              f"{done['tuned']['layout']}, order optimized for {done['tuned']['stage_costs_from']} stage costs; "
+              f"1F1B with the embedding and loss counted in its split: "
+              f"{done['megatron_1f1b_embedding_loss_accounting']}", flush=True)
 
     table = markdown(results)
     print("\n" + table)

@@ -6,6 +6,12 @@ same micro-batches (per data-parallel rank) and differs only in schedule and pla
 initialises its own parallel state once; :class:`Variant` switches to it before every step.
 Megatron's schedules get the p2p settings Megatron's training sets: batched p2p for 1F1B,
 overlapped p2p for interleaved, pipeline outputs deallocated after sending.
+
+A tuned DualPipeV: ``--dualpipe-layout auto``'s split and the op order optimized for measured
+stage costs (``--dualpipe-optimize-order --dualpipe-stage-costs``). Megatron's 1F1B can count
+the embedding and the loss as layers in its split (``--account-for-embedding-in-pipeline-split
+--account-for-loss-in-pipeline-split``); :func:`accounting_effect` asks Megatron what that would
+change here.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from variant import Variant, all_params
 
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 OUR_SCHEDULES = ("dualpipev", "dualpipe")
+TUNED = "dualpipev-tuned"  # DualPipeV: auto layout, op order optimized for measured stage costs
+ACCOUNTING = dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,39 @@ def _stepper(forward_backward: Any, chunks: list[nn.Module], shape: GPTShape, m:
     return run
 
 
+def layers_per_rank(shape: GPTShape, pp: int, **split: Any) -> list[int]:
+    """Decoder layers Megatron's 1F1B builds on each rank under ``split`` (its own function;
+    raises as Megatron does for a split it refuses)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    config = _config(shape, pp, None, 1, **split)
+    return [get_num_layers_to_build(config, pp_rank=r) for r in range(pp)]
+
+
+def accounting_effect(shape: GPTShape, pp: int) -> str:
+    """What counting the embedding and the loss as layers does to Megatron's 1F1B split here.
+
+    Megatron splits ``layers + 2`` evenly and builds one layer less on the first and the last
+    rank, so when ``layers`` splits evenly too (P divides both: P <= 2) the split is 1F1B's own,
+    and otherwise Megatron refuses one of the two."""
+    try:
+        accounted = layers_per_rank(shape, pp, **ACCOUNTING)
+    except (AssertionError, ValueError) as exc:
+        return f"refused by Megatron: {' '.join(str(exc).split())}"
+    if accounted == layers_per_rank(shape, pp):
+        return f"the same split as 1F1B's ({accounted} decoder layers per rank)"
+    return f"{accounted} decoder layers per rank, not measured"
+
+
+def flop_costs(shape: GPTShape) -> Any:
+    """The FLOP model's per-layer costs of this GPT (what ``--dualpipe-layout auto`` uses)."""
+    from dualpipe_megatron.schedules.layout import LayerCosts, ModelShape
+
+    return LayerCosts.from_shape(ModelShape(
+        num_layers=shape.layers, hidden=shape.hidden, seq=shape.seq, vocab=shape.vocab, heads=shape.heads,
+        micro_batch=shape.micro_batch, experts=shape.experts, topk=shape.topk, moe_ffn=shape.expert_ffn or None))
+
+
 def megatron_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, clock: ComputeClock) -> Variant:
     """Megatron's own 1F1B, or interleaved 1F1B with two virtual stages per rank."""
     from megatron.core import parallel_state as ps
@@ -138,8 +179,11 @@ def megatron_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, c
     return Variant(schedule, run, all_params(chunks), state.activate, clock=clock)
 
 
-def our_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, trace_root: Path) -> Variant:
-    """Our DualPipeV or DualPipe through ``make_forward_backward_func``, traced for busy time."""
+def our_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, trace_root: Path,
+                name: str | None = None, layout: str | None = None, optimize_for: Any = None) -> Variant:
+    """Our DualPipeV or DualPipe through ``make_forward_backward_func``, traced for busy time;
+    ``layout`` and ``optimize_for`` as ``--dualpipe-layout`` and ``--dualpipe-optimize-order``
+    (with its stage costs) set them."""
     from megatron.core import parallel_state as ps
 
     from dualpipe_megatron.megatron.model import chunk_roles, embedding_ranks, model_config_kwargs, prepare_model
@@ -147,16 +191,45 @@ def our_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, trace_
 
     state = ParallelState(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2,
                           expert_model_parallel_size=ep, get_embedding_ranks=embedding_ranks)
-    layout = model_config_kwargs(schedule, pp, shape.layers)["pipeline_model_parallel_layout"]
-    config = _config(shape, pp, 2, ep, pipeline_model_parallel_layout=layout)
+    split = model_config_kwargs(schedule, pp, shape.layers, layout)["pipeline_model_parallel_layout"]
+    config = _config(shape, pp, 2, ep, pipeline_model_parallel_layout=split)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     chunks = [_gpt(config, shape, r.pre_process, r.post_process, r.vp_stage)
               for r in chunk_roles(stage_map_for(schedule, pp), pp_rank)]
-    trace_dir = trace_root / schedule
-    options = prepare_model(chunks, DualPipeOptions(schedule=schedule, timeout=300, trace_dir=str(trace_dir)),
-                            pp_rank, pp)
+    name = name or schedule
+    trace_dir = trace_root / name
+    options = prepare_model(chunks, DualPipeOptions(schedule=schedule, timeout=300, trace_dir=str(trace_dir),
+                                                    optimize_for=optimize_for), pp_rank, pp)
     run = _stepper(make_forward_backward_func(options), chunks, shape, m)
-    return Variant(schedule, run, all_params(chunks), state.activate, trace_dir=trace_dir)
+    return Variant(name, run, all_params(chunks), state.activate, trace_dir=trace_dir)
+
+
+def tuned_variant(shape: GPTShape, pp: int, ep: int, m: int, trace_root: Path) -> tuple[Variant, dict[str, Any]]:
+    """DualPipeV with the auto layout and the op order optimized for the stage costs measured
+    from the plain ``dualpipev`` variant's traced steps so far (all but the first), as
+    ``trace costs`` then ``--dualpipe-stage-costs`` would; when the auto layout is not the even
+    split those measurements do not apply and the FLOP model's stage costs are used instead.
+    Collective; every rank reads the same trace files, so all optimize alike."""
+    from dualpipe_megatron.schedules.layout import best_layout, even_counts, layout_string, stage_costs_for
+    from dualpipe_megatron.schedules.optimize import optimize_order
+    from dualpipe_megatron.schedules.registry import build_schedule
+    from dualpipe_megatron.schedules.simulate import simulate
+    from dualpipe_megatron.trace import load, pipelines
+    from dualpipe_megatron.trace.analysis import kept_steps, measured_stage_costs
+
+    layout = best_layout("dualpipev", pp, m, flop_costs(shape))[0]
+    sched = build_schedule("dualpipev", pp, m)
+    if layout == layout_string(even_counts(shape.layers, 2 * pp)):
+        ranks = pipelines(load(trace_root / "dualpipev"))[0]
+        costs, source = measured_stage_costs(ranks, kept_steps(ranks, 1)), "measured (plain dualpipev, ms)"
+    else:
+        counts = [stage.count("t") for stage in layout.split("|")]
+        costs, source = stage_costs_for(sched, flop_costs(shape), counts), "FLOP model"
+    variant = our_variant("dualpipev", shape, pp, ep, m, trace_root, TUNED, layout, costs)
+    info = {"layout": layout, "stage_costs_from": source, "stage_costs": costs.to_json_obj(),
+            "simulated_step": {"deepseek_order": float(simulate(sched, costs).makespan),
+                               "optimized_order": float(simulate(optimize_order(sched, costs), costs).makespan)}}
+    return variant, info
 
 
 def build(schedules: list[str], shape: GPTShape, pp: int, ep: int, m: int, clock: ComputeClock,

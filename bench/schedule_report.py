@@ -23,6 +23,7 @@ LABELS = {
     "interleaved": "Megatron interleaved (VPP=2)",
     "dualpipev": "ours dualpipev",
     "dualpipe": "ours dualpipe",
+    "dualpipev-tuned": "ours dualpipev, auto layout + order optimized for measured stage costs",
     "torch_dualpipev": "torch ScheduleDualPipeV (plain modules)",
     "plain_dualpipev": "ours dualpipev, native Pipeline (plain modules)",
 }

@@ -9,7 +9,9 @@ PP=1 model the runs start from).
 
 - N=1 at P=2 and N=2 at P=4, each from one PP=1 checkpoint (learning rate 0): ``lm loss`` and
   every ``mtp_k loss`` equal to the printed digits at every iteration, grad norms to relative
-  1e-4 (a sum of squares over all parameters, reduced in another order);
+  1e-4 (a sum of squares over all parameters, reduced in another order); DualPipeV at P=2 with
+  ``--dualpipe-layout auto``, which puts the MTP layer's weight on rank 0 and chooses an uneven
+  split (``Ett|tt|ttt|tmL``);
 - at P=2 a DualPipeV checkpoint resumes under 1F1B and a 1F1B one under DualPipeV with the
   uninterrupted run's losses and grad norms.
 """
@@ -32,6 +34,10 @@ SCHEDULES = ("1f1b", "dualpipev", "dualpipe")
 # (MTP layers, pipeline size, training iterations after the initial one)
 SHAPES = {"n1_p2": (1, 2, 5), "n2_p4": (2, 4, 4)}
 SAVE_AT = 3  # the P=2 runs of 1f1b and dualpipev save here; resumes train 4..5
+# DualPipeV at P=2 places layers with --dualpipe-layout auto: the FLOP model weighs the MTP
+# layer and the output layers on rank 0 and moves a decoder layer to rank 1.
+AUTO = {"dualpipev_n1_p2": ["--dualpipe-layout", "auto"]}
+AUTO_CHOSE = "dualpipe: --dualpipe-layout auto chose Ett|tt|ttt|tmL"
 
 
 def mtp_losses(log: str) -> dict[int, dict[int, float]]:
@@ -65,7 +71,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 name = f"{schedule}_{shape}"
                 save = (["--save", str(out / name), "--save-interval", str(SAVE_AT)]
                         if pp == 2 and schedule != "dualpipe" else [])
-                got[name] = _record(run(name, out, pp, [*start, "--pipeline-schedule", schedule, *save]))
+                log = run(name, out, pp, [*start, "--pipeline-schedule", schedule, *save, *AUTO.get(name, [])])
+                got[name] = {**_record(log), "auto_layout": AUTO_CHOSE in log}
         layers, pp, iters = SHAPES["n1_p2"]
         resume = [*ROPE, "--mtp-num-layers", str(layers), *TRAIN, "--train-iters", str(1 + iters),
                   "--pipeline-model-parallel-size", str(pp), "--no-load-rng", "--ckpt-step", str(SAVE_AT)]
@@ -105,6 +112,10 @@ def test_matches_1f1b(jobs: dict, schedule: str, shape: str) -> None:
     assert sorted(got["mtp"]) == list(range(1, layers + 1))
     for depth in range(1, layers + 1):
         _same(ref["mtp"][depth], got["mtp"][depth], its, LOSS_RTOL)
+
+
+def test_auto_layout_chose_an_uneven_split(jobs: dict) -> None:
+    assert jobs["dualpipev_n1_p2"]["auto_layout"], f"no '{AUTO_CHOSE}' in the log"
 
 
 @pytest.mark.parametrize("resumed", ["v_to_1f1b", "1f1b_to_v"])

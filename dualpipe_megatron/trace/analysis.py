@@ -189,6 +189,31 @@ def kept_steps(ranks: list[RankTrace], skip: int = 1) -> list[int]:
     return [i for i in indices[skip:] if ranks[0].steps[i].shape == shape]
 
 
+@dataclass(frozen=True)
+class StageCostFit:
+    """Stage costs measured from a run, and how well they predict its step: the simulated
+    makespan of the schedule the run executed against the measured median (ms)."""
+
+    costs: StageCosts
+    schedule: Schedule
+    steps: int
+    predicted_ms: float
+    measured_ms: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_ms / self.measured_ms - 1
+
+
+def stage_cost_fit(ranks: list[RankTrace], skip: int = 1) -> StageCostFit:
+    """:func:`measured_stage_costs` of the :func:`kept_steps`, simulated (what ``trace costs`` writes)."""
+    kept = kept_steps(ranks, skip)
+    costs = measured_stage_costs(ranks, kept)
+    sched = step_schedule(ranks, kept[0])
+    return StageCostFit(costs, sched, len(kept), float(simulate(sched, costs).makespan),
+                        median(step_bubbles(ranks, i).makespan for i in kept))
+
+
 def analyze_pipeline(ranks: list[RankTrace], skip: int = 1) -> PipelineReport:
     """Bubbles of the kept training steps (:func:`kept_steps`), and the prediction."""
     kept = kept_steps(ranks, skip)
@@ -202,6 +227,6 @@ def analyze(traces: list[RankTrace], skip: int = 1) -> list[PipelineReport]:
     return [analyze_pipeline(ranks, skip) for ranks in pipelines(traces)]
 
 
-__all__ = ["PipelineReport", "StepBubbles", "Timeline", "analyze", "analyze_pipeline", "measured_costs",
-           "kept_steps", "measured_stage_costs",
+__all__ = ["PipelineReport", "StageCostFit", "StepBubbles", "Timeline", "analyze", "analyze_pipeline",
+           "measured_costs", "kept_steps", "measured_stage_costs", "stage_cost_fit",
            "step_bubbles", "step_timeline", "training_steps"]

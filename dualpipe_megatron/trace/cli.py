@@ -8,16 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from statistics import median
 from typing import Sequence
 
 from ..schedules.cli import run_command
 from ..schedules.ir import ScheduleError
-from ..schedules.simulate import simulate
-from .analysis import analyze, analyze_pipeline, kept_steps, measured_stage_costs, step_bubbles
+from .analysis import analyze, analyze_pipeline, stage_cost_fit
 from .chrome import write_chrome_trace
 from .figure import draw_measured
-from .records import TraceError, load, pipelines, step_schedule
+from .records import TraceError, load, pipelines
 from .report import format_report, summary
 
 
@@ -48,14 +46,11 @@ def cmd_costs(args: argparse.Namespace) -> None:
     groups = pipelines(load(args.dir))
     if not 0 <= args.pipeline < len(groups):
         raise TraceError(f"--pipeline {args.pipeline}: the trace has {len(groups)} pipeline(s)")
-    ranks = groups[args.pipeline]
-    kept = kept_steps(ranks, args.skip)
-    costs = measured_stage_costs(ranks, kept)
-    Path(args.output).write_text(json.dumps(costs.to_json_obj(), indent=1) + "\n")
-    sched = step_schedule(ranks, kept[0])
-    print(f"wrote {args.output}: {len(costs.stages)} stages of {sched.name}, F&B ratio {float(costs.fb_ratio):.3f} "
-          f"(medians of {len(kept)} steps, ms); simulated step {float(simulate(sched, costs).makespan):.2f} ms, "
-          f"measured median {median(step_bubbles(ranks, i).makespan for i in kept):.2f} ms")
+    fit = stage_cost_fit(groups[args.pipeline], args.skip)
+    Path(args.output).write_text(json.dumps(fit.costs.to_json_obj(), indent=1) + "\n")
+    print(f"wrote {args.output}: {len(fit.costs.stages)} stages of {fit.schedule.name}, F&B ratio "
+          f"{float(fit.costs.fb_ratio):.3f} (medians of {fit.steps} steps, ms); simulated step "
+          f"{fit.predicted_ms:.2f} ms, measured median {fit.measured_ms:.2f} ms")
 
 
 def make_parser() -> argparse.ArgumentParser:
