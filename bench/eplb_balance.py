@@ -128,7 +128,7 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"\n\nMax/mean tokens per EP rank (eplb_max_mean_load, mean over MoE layers), averaged over "
         f"iterations {first}-{last} (after the first re-placement), and the median iteration time over "
         f"the same iterations; EPLB every {args.interval} iterations over a window of {args.window}, "
-        f"threshold {args.threshold:g}. Largest relative lm loss difference between the two jobs: "
+        f"threshold {args.threshold:g}. Largest relative lm loss difference from the EPLB-off job (re-placement and redundancy jobs): "
         + ", ".join(f"{r['name']} {r['max_rel_loss_diff']:.1e}" for r in results) + " (the same model). "
         f"K redundant experts: K extra compute slots per layer (K = the EP size), replicas of hot experts; "
         f"replica sync is the median time per step to add replica gradients into their owners and copy "
