@@ -46,7 +46,9 @@ class OptimizerTensors:
             if hasattr(leaf, "model_param_gbuf_map"):
                 if leaf.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
                     raise NotImplementedError("EPLB: the precision-aware distributed optimizer is not supported")
-                self._distributed.update(dict.fromkeys(leaf.model_param_gbuf_map, leaf))
+                # Every parameter of its buffers: one may have no element in this rank's shard.
+                for buffer in leaf.buffers:
+                    self._distributed.update(dict.fromkeys(buffer.param_index_map, leaf))
             elif hasattr(leaf, "float16_groups"):
                 for f16, f32 in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
                     self._plain.update({p: (leaf.optimizer, m) for p, m in zip(f16, f32)})

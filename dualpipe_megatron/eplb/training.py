@@ -36,6 +36,7 @@ from .optimizer_state import PRIVATE_CALLS, OptimizerTensors
 from .placement import align, as_plan, identity
 from .planner import rebalance_experts
 from .redundancy import choose_owners, initial_slots
+from .replica_grads import hold_expert_buckets, wrap_gradient_path
 from .replicas import LayerReplicas
 from .stats import LoadStats
 
@@ -143,9 +144,6 @@ def _redundancy_problems(args: argparse.Namespace, redundant: int) -> list[str]:
                         "(capacity would count slots, not experts)")
     if getattr(args, "fp8", None) or getattr(args, "fp4", None):
         problems.append("--eplb-redundant-experts does not support FP8/FP4 experts")
-    if getattr(args, "overlap_grad_reduce", False):
-        problems.append("--eplb-redundant-experts with --overlap-grad-reduce is not supported (replica "
-                        "gradients must reach their owners before the data-parallel reduction starts)")
     if getattr(args, "pipeline_schedule", None) == "dualpipe":
         problems.append("--eplb-redundant-experts is not supported under --pipeline-schedule dualpipe "
                         "(its mirrored gradients are summed before replicas reach their owners); "
@@ -185,7 +183,7 @@ class EplbController:
         self.states: OptimizerTensors | None = None  # built at the first move
         self.device = next(model[0].parameters()).device
         self.pending: str | None = None
-        self.sync_seconds: list[float] = []
+        self.sync_seconds, self.sync_steps = 0.0, 0  # replica syncs since the last report
         for handle in self.handles:
             install_router_hook(handle)
         self.num_slots = self.num_experts + options.redundant
@@ -194,7 +192,11 @@ class EplbController:
             self.slots = initial_slots(self.num_experts, options.redundant, self.ep_size).repeat(len(self.keys), 1)
             self.replicas = {id(h): LayerReplicas(h, self.num_slots) for h in self.handles}
             self._place_replicas()
-            _wrap_finalize(model, self)
+            from megatron.core.utils import get_model_config
+
+            wrap_gradient_path(get_model_config(model[0]), self.reduce_replica_grads)
+            hold_expert_buckets(model)
+            self.reduced: set[int] = set()  # handles whose replica gradients went out this step
             self._report_memory()
 
     @property
@@ -208,15 +210,16 @@ class EplbController:
             row = self.row[handle.key]
             self.replicas[id(handle)].place(self.slots[row], self.placement[row])
 
-    def _timed(self, method: str) -> None:
+    def reduce_replica_grads(self, params: set[int] | None) -> None:
+        """Replica gradients into their owners', once per step and layer: of the layers among
+        ``params`` (parameter ids; None: all), right before Megatron reduces them over DP."""
         start = time.perf_counter()
         for handle in self.handles:
-            getattr(self.replicas[id(handle)], method)()
-        self.sync_seconds.append(time.perf_counter() - start)
-
-    def reduce_replica_grads(self) -> None:
-        """Replica gradients into their owners' (called right before Megatron's grad finalization)."""
-        self._timed("reduce_grads")
+            if id(handle) in self.reduced or (params is not None and id(handle.slot_params[0][0]) not in params):
+                continue
+            self.replicas[id(handle)].reduce_grads()
+            self.reduced.add(id(handle))
+        self.sync_seconds += time.perf_counter() - start
 
     def check_replicas(self, iteration: int) -> None:
         """Compare every replica with its owner, bitwise; fail loudly on any difference."""
@@ -236,17 +239,17 @@ class EplbController:
                     f"{int(extra) / 2**20:.2f} MiB on the busiest rank (weights + gradient buffers)")
 
     def _report_sync(self, iteration: int) -> None:
-        spent = torch.tensor([sum(self.sync_seconds)], dtype=torch.float64, device=self.device)
+        spent = torch.tensor([self.sync_seconds], dtype=torch.float64, device=self.device)
         tokens = torch.tensor([sum(r.replica_tokens for r in self.replicas.values())], device=self.device)
         for r in self.replicas.values():
             r.replica_tokens = 0
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)
         dist.all_reduce(tokens)
-        steps = max(1, len(self.sync_seconds) // 2)
+        steps = max(1, self.sync_steps)
         _print_last(f"EPLB replica sync: {1e3 * float(spent) / steps:.2f} ms per step (gradients to owners + "
                     f"weights to replicas, busiest rank); replicas computed {int(tokens)} routed tokens "
                     f"(iterations up to {iteration})")
-        self.sync_seconds.clear()
+        self.sync_seconds, self.sync_steps = 0.0, 0
 
     # -- per step ------------------------------------------------------------------------------
     def _step_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,7 +276,12 @@ class EplbController:
 
     def after_step(self, iteration: int) -> None:
         if self.slots is not None:
-            self._timed("sync_weights")  # the optimizer has just updated the owners
+            self.reduced.clear()
+            start = time.perf_counter()
+            for handle in self.handles:  # the optimizer has just updated the owners
+                self.replicas[id(handle)].sync_weights()
+            self.sync_seconds += time.perf_counter() - start
+            self.sync_steps += 1
             if iteration % self.args.log_interval == 0 or iteration == self.args.train_iters:
                 self._report_sync(iteration)
         counts, per_slot = self._step_counts()
@@ -423,25 +431,6 @@ def _train_step(original: Callable, forward_step_func: Any, data_iterator: Any, 
 
         controller.after_step(get_args().curr_iteration + 1)
     return result
-
-
-def _wrap_finalize(model: list[torch.nn.Module], controller: EplbController) -> None:
-    """Make the model config's ``finalize_model_grads_func`` add replica gradients into their owners'
-    first, so Megatron's data-parallel reduction, grad norm and clipping see each expert once."""
-    from megatron.core.utils import get_model_config
-
-    config = get_model_config(model[0])
-    inner = config.finalize_model_grads_func
-    if inner is None:
-        raise RuntimeError("EPLB redundant experts: Megatron set no finalize_model_grads_func")
-    inner = getattr(inner, "eplb_inner", inner)  # a job's second controller replaces the first's wrapper
-
-    def finalize_with_replicas(*args: Any, **kwargs: Any) -> Any:
-        controller.reduce_replica_grads()
-        return inner(*args, **kwargs)
-
-    finalize_with_replicas.eplb_inner = inner  # type: ignore[attr-defined]
-    config.finalize_model_grads_func = finalize_with_replicas
 
 
 def _save_checkpoint(original: Callable, iteration: int, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,80 @@
+"""Where replica gradients enter Megatron's gradient path: before any data-parallel reduction.
+
+Megatron reduces gradients over data parallel in up to three places; each must see an owner's
+gradient with its replicas' already added (:class:`.replicas.LayerReplicas` sends them):
+
+- ``config.finalize_model_grads_func`` (every schedule; without ``--overlap-grad-reduce`` the
+  reduction starts here): wrapped to send every replica gradient not sent yet this step;
+- ``config.grad_sync_func`` (with ``--overlap-grad-reduce``: Megatron's schedules and ours call it
+  per model chunk once the chunk's backward is done): wrapped to send the replicas of the layers
+  among the parameters it is given first;
+- DDP's per-parameter "grad ready" hook (with ``--overlap-grad-reduce``), which launches a bucket
+  group's reduction as soon as the last micro-batch's gradients are in, before any replica's
+  could arrive: the expert bucket groups ignore it, so they reduce when the two calls above start
+  them (Megatron's first-iteration behaviour, kept for every iteration).
+
+Each is a wrapper on a config attribute or a bucket-group instance, not a patch of Megatron's code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+# Sends replica gradients of the layers whose parameters are in the given ids (None: all layers)
+# that were not sent yet this step.
+Reduce = Callable[[set[int] | None], None]
+
+
+def _ignore_grad_ready(param: torch.nn.Parameter, force_all_reduce: bool | None = False) -> None:
+    """An expert bucket group's ``register_grad_ready``: never launch from a gradient hook."""
+
+
+def hold_expert_buckets(model: list[torch.nn.Module]) -> int:
+    """With ``--overlap-grad-reduce``, keep DDP's expert bucket groups from reducing on their own;
+    returns how many groups that concerns."""
+    held = 0
+    for chunk in model:
+        config = getattr(chunk, "ddp_config", None)
+        if config is None or not config.overlap_grad_reduce:
+            continue
+        for group in chunk.expert_parallel_bucket_groups:
+            group.register_grad_ready = _ignore_grad_ready
+            held += 1
+    return held
+
+
+def _wrapped(func: Callable, reduce: Reduce) -> Callable:
+    inner = getattr(func, "eplb_inner", func)  # a job's second controller replaces the first's wrapper
+
+    def grad_sync_with_replicas(params: Iterable[torch.nn.Parameter]) -> Any:
+        params = list(params)
+        reduce({id(p) for p in params})
+        return inner(params)
+
+    grad_sync_with_replicas.eplb_inner = inner  # type: ignore[attr-defined]
+    return grad_sync_with_replicas
+
+
+def wrap_gradient_path(config: Any, reduce: Reduce) -> None:
+    """Wrap ``config``'s finalize and grad-sync functions so that ``reduce`` runs first."""
+    finalize = config.finalize_model_grads_func
+    if finalize is None:
+        raise RuntimeError("EPLB redundant experts: Megatron set no finalize_model_grads_func")
+    inner = getattr(finalize, "eplb_inner", finalize)
+
+    def finalize_with_replicas(*args: Any, **kwargs: Any) -> Any:
+        reduce(None)
+        return inner(*args, **kwargs)
+
+    finalize_with_replicas.eplb_inner = inner  # type: ignore[attr-defined]
+    config.finalize_model_grads_func = finalize_with_replicas
+    sync = config.grad_sync_func
+    if isinstance(sync, list):
+        config.grad_sync_func = [_wrapped(func, reduce) for func in sync]
+    elif sync is not None:
+        config.grad_sync_func = _wrapped(sync, reduce)
+
+
+__all__ = ["hold_expert_buckets", "wrap_gradient_path"]
