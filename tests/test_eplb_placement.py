@@ -122,7 +122,6 @@ def _args(**overrides) -> argparse.Namespace:
     ({"eplb_redundant_experts": 3}, "must be a multiple of --expert-model-parallel-size (2)"),
     ({"eplb_redundant_experts": 2, "expert_model_parallel_size": 1}, "needs --expert-model-parallel-size > 1"),
     ({"eplb_redundant_experts": 2, "moe_grouped_gemm": True}, "leave out --moe-grouped-gemm"),
-    ({"eplb_redundant_experts": 2, "pipeline_schedule": "dualpipe"}, "--pipeline-schedule dualpipe"),
     ({"eplb_redundant_experts": 2, "moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor"),
     ({"eplb_redundant_experts": 2, "moe_token_dispatcher_type": "flex"}, "alltoall and allgather token"),
 ])

@@ -20,8 +20,9 @@ and grad norms to 1e-4. Runs:
   its owner bitwise before every iteration (the run fails on a difference; the test counts the
   checks), and the log says how many routed tokens the replicas computed;
 - the DualPipeV run saves a checkpoint at iteration 4, right after a move; it resumes *without*
-  EPLB (no redundancy) and *with* EPLB and redundancy (placement and statistics restored), both
-  continuing the uninterrupted run's losses. The run without EPLB saves too, and resumes with
+  EPLB (no redundancy) under DualPipeV and *with* EPLB and redundancy (placement and statistics
+  restored) under DualPipe, where each model copy's replicas reach that copy's owners before the
+  mirrored copies' gradients are summed; both continue the uninterrupted run's losses. The run without EPLB saves too, and resumes with
   redundant experts: checkpoints go both ways between K = 0 and K > 0. The checkpoint holds experts in Megatron's order plus ``eplb.json`` (statistics
   and the placement). (Resuming the distributed optimizer's checkpoint fails in Megatron 0.19.2
   without Transformer Engine or apex, EPLB or not: ``DistributedOptimizer.state_dict`` asserts
@@ -87,7 +88,7 @@ def _run_jobs(out: Path) -> dict[str, Any]:
         "dualpipev": [*DUALPIPEV, *save("ckpt_plain")],
         "dualpipev_eplb": [*DUALPIPEV, *REDUNDANT, *stats("dualpipev_eplb"), *save("ckpt")],
         "dualpipev_eplb_resumed_without_eplb": [*DUALPIPEV, *resume("ckpt")],
-        "dualpipev_eplb_resumed_with_eplb": [*DUALPIPEV, *REDUNDANT, *resume("ckpt")],
+        "dualpipe_resumed_with_eplb": [*EP2_P2, "--pipeline-schedule", "dualpipe", *REDUNDANT, *resume("ckpt")],
         "dualpipev_resumed_with_redundancy": [*DUALPIPEV, *REDUNDANT, *resume("ckpt_plain")],
         "ep2dp4": EP2_DP4,
         "ep2dp4_eplb": [*EP2_DP4, *REDUNDANT],
@@ -152,7 +153,7 @@ def test_checkpoint_after_a_move_resumes_without_eplb(jobs: dict[str, Any]) -> N
 
 
 def test_checkpoint_resumes_with_eplb_restoring_its_placement(jobs: dict[str, Any]) -> None:
-    resumed, full = jobs["dualpipev_eplb_resumed_with_eplb"], jobs["dualpipev_eplb"]
+    resumed, full = jobs["dualpipe_resumed_with_eplb"], jobs["dualpipev_eplb"]
     _equal(resumed["loss"], _after_resume(full["loss"]), LOSS_RTOL, "resumed lm loss")
     [(window, placement)] = resumed["resumed"]
     assert int(window) == RESUME_FROM and "experts moved" in placement, placement

@@ -30,7 +30,7 @@ def test_dump_obeys_contract(name: str) -> None:
     for ranks in range(2, 17):
         if name == "dualpipe" and ranks % 2:
             continue
-        for m in range(2 * ranks, 4 * ranks + 1):
+        for m in sorted({2 * ranks, 2 * ranks + 1, 3 * ranks, 4 * ranks}):  # the edges and the middle
             if name == "dualpipe" and m % 2:
                 continue
             if name == "chimera" and (ranks % 2 or m % ranks):
@@ -39,7 +39,7 @@ def test_dump_obeys_contract(name: str) -> None:
             assert doc["schedule"] == name and doc["ranks"] == ranks and doc["microbatches"] == m
             check(doc)
             checked += 1
-    assert checked >= (24 if name == "chimera" else 80)
+    assert checked >= (24 if name in ("chimera", "dualpipe") else 60)
 
 
 def test_checker_rejects_a_broken_dump() -> None:

@@ -8,6 +8,8 @@ gradient with its replicas' already added (:class:`.replicas.LayerReplicas` send
 - ``config.grad_sync_func`` (with ``--overlap-grad-reduce``: Megatron's schedules and ours call it
   per model chunk once the chunk's backward is done): wrapped to send the replicas of the layers
   among the parameters it is given first;
+- our DualPipe schedules' step end (``schedule.GRADIENT_SOURCES``), before they sum DualPipe's
+  mirrored copies (and tied embeddings): each copy's replicas go to that copy's owners first;
 - DDP's per-parameter "grad ready" hook (with ``--overlap-grad-reduce``), which launches a bucket
   group's reduction as soon as the last micro-batch's gradients are in, before any replica's
   could arrive: the expert bucket groups ignore it, so they reduce when the two calls above start
@@ -58,7 +60,17 @@ def _wrapped(func: Callable, reduce: Reduce) -> Callable:
 
 
 def wrap_gradient_path(config: Any, reduce: Reduce) -> None:
-    """Wrap ``config``'s finalize and grad-sync functions so that ``reduce`` runs first."""
+    """Wrap ``config``'s finalize and grad-sync functions so that ``reduce`` runs first, and run it
+    first at the end of our schedules' steps."""
+    from ..megatron.schedule import GRADIENT_SOURCES
+
+    forget_gradient_sources()
+
+    def before_sums(chunks: list[torch.nn.Module]) -> None:
+        reduce({id(p) for chunk in chunks for p in chunk.parameters()})
+
+    before_sums.eplb = True  # type: ignore[attr-defined]
+    GRADIENT_SOURCES.append(before_sums)
     finalize = config.finalize_model_grads_func
     if finalize is None:
         raise RuntimeError("EPLB redundant experts: Megatron set no finalize_model_grads_func")
@@ -77,4 +89,11 @@ def wrap_gradient_path(config: Any, reduce: Reduce) -> None:
         config.grad_sync_func = _wrapped(sync, reduce)
 
 
-__all__ = ["hold_expert_buckets", "wrap_gradient_path"]
+def forget_gradient_sources() -> None:
+    """Take EPLB's callback out of our schedules' step end (a new job, or EPLB uninstalled)."""
+    from ..megatron.schedule import GRADIENT_SOURCES
+
+    GRADIENT_SOURCES[:] = [source for source in GRADIENT_SOURCES if not getattr(source, "eplb", False)]
+
+
+__all__ = ["forget_gradient_sources", "hold_expert_buckets", "wrap_gradient_path"]

@@ -36,7 +36,7 @@ from .optimizer_state import PRIVATE_CALLS, OptimizerTensors
 from .placement import align, as_plan, identity
 from .planner import rebalance_experts
 from .redundancy import choose_owners, initial_slots
-from .replica_grads import hold_expert_buckets, wrap_gradient_path
+from .replica_grads import forget_gradient_sources, hold_expert_buckets, wrap_gradient_path
 from .replicas import LayerReplicas
 from .stats import LoadStats
 
@@ -144,10 +144,8 @@ def _redundancy_problems(args: argparse.Namespace, redundant: int) -> list[str]:
                         "(capacity would count slots, not experts)")
     if getattr(args, "fp8", None) or getattr(args, "fp4", None):
         problems.append("--eplb-redundant-experts does not support FP8/FP4 experts")
-    if getattr(args, "pipeline_schedule", None) == "dualpipe":
-        problems.append("--eplb-redundant-experts is not supported under --pipeline-schedule dualpipe "
-                        "(its mirrored gradients are summed before replicas reach their owners); "
-                        "dualpipev and Megatron's schedules are")
+    if getattr(args, "moe_apply_probs_on_input", False):
+        problems.append("--eplb-redundant-experts does not support --moe-apply-probs-on-input")
     return problems
 
 
@@ -522,6 +520,8 @@ SIGNATURES = {
 
 def uninstall() -> None:
     PATCHES.restore()
+    if _state["controller"] is not None:
+        forget_gradient_sources()
     _state.update(controller=None, loaded=None)
 
 

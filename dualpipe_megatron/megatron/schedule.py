@@ -237,12 +237,20 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
     return step
 
 
+# Callbacks that add gradients computed outside the chunks' parameters into them (EPLB's expert
+# replicas); run on every rank before any of the step's gradients is summed across ranks (tied
+# embedding, DualPipe's mirrored copies, data parallel).
+GRADIENT_SOURCES: list[Callable[[Sequence[nn.Module]], None]] = []
+
+
 def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronStep,
                 force_all_reduce: bool | None) -> list:
     """Sum tied and mirrored grads, let Megatron finalize, replay the MTP metrics on every pipeline
     rank, and relay the loss reports to the last one, where Megatron's training log reads them."""
     sp, config = step_plan, step_plan.config
     if not sp.forward_only:
+        for source in GRADIENT_SOURCES:
+            source(sp.chunks)
         sum_tied_embedding_grads(sp.chunks, sp.stage_map, sp.rank)
         if sp.sched.directions > 1:
             sum_mirrored_grads(sp.chunks, sp.stage_map, sp.rank, options.state.mirror_group)
