@@ -3,8 +3,8 @@
 :func:`install` patches, once and guarded (its own :class:`PatchSet`), these call-time lookups:
 
 - ``training.train_step``: the first call finds the MoE layers and hooks their routers (with
-  ``--eplb-redundant-experts``, also gives each layer its compute slots and replicas and wraps
-  ``config.finalize_model_grads_func`` to add replica gradients into their owners' first); after
+  ``--eplb-redundant-experts``, also gives each layer its compute slots and replicas and routes
+  replica gradients into their owners' before any data-parallel reduction, :mod:`.replica_grads`); after
   every step, :class:`EplbController` copies owners' weights to replicas, sums the step's token
   counts over all ranks, logs them and, every ``--eplb-interval`` steps, re-places experts;
 - ``training.save_checkpoint``: saves experts in logical order (placement undone around the
@@ -316,9 +316,7 @@ class EplbController:
             self.apply(new)
             what = "experts"
         else:
-            owners = torch.stack([choose_owners(new[r], self.placement[r], self.ep_size) for r in range(len(self.keys))])
-            owners_moved = int((owners != self.placement).sum())
-            self.apply(owners, new)
+            owners_moved = self.place_slots(new)
             what = f"expert slots (parameters of {owners_moved} experts moved)"
         head = (f"EPLB iteration {iteration}: moved {moved} {what} in {layers} of {len(self.keys)} MoE layers; "
                 f"max/mean tokens per EP rank (window of {len(self.stats.history)}): before {before:.3f}, "
@@ -339,6 +337,14 @@ class EplbController:
         if slots is not None:
             self.slots = slots.clone()
             self._place_replicas()
+
+    def place_slots(self, slots: torch.Tensor) -> int:
+        """Compute ``slots`` with owners chosen for them from the current ones (:func:`choose_owners`);
+        returns how many parameter slots changed expert."""
+        owners = torch.stack([choose_owners(row, self.placement[r], self.ep_size) for r, row in enumerate(slots)])
+        moved = int((owners != self.placement).sum())
+        self.apply(owners, slots)
+        return moved
 
     @property
     def placed(self) -> bool:
@@ -383,9 +389,7 @@ class EplbController:
                 restored = f"its placement ({int((self.placement != identity(*self.placement.shape)).sum())} experts moved)"
             else:
                 changed = int((placement != self.slots).sum())
-                owners = torch.stack([choose_owners(row, self.placement[r], self.ep_size)
-                                      for r, row in enumerate(placement)])
-                self.apply(owners, placement)
+                self.place_slots(placement)
                 restored = f"its placement ({changed} experts moved)"
         elif placement is not None and not fits:
             restored = (f"Megatron's placement (the checkpoint's has {len(placement[0])} slots per layer at "
