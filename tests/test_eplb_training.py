@@ -52,7 +52,8 @@ ITERS, RESUME_FROM = 8, 4
 LOSS_RTOL, NORM_RTOL = 1e-5, 1e-4
 MOVED = re.compile(r"^EPLB iteration (\d+): moved (\d+) expert(?:s| slots) .* predicted ([0-9.]+)(?:, measured ([0-9.]+))?",
                    re.MULTILINE)
-CHECKED = re.compile(r"^EPLB replica check: all (\d+) replicas equal their owners bitwise \(iteration (\d+)\)$",
+# No "$": another rank's output (a warning) can continue the line without a newline.
+CHECKED = re.compile(r"^EPLB replica check: all (\d+) replicas equal their owners bitwise \(iteration (\d+)\)",
                      re.MULTILINE)
 REPLICA_TOKENS = re.compile(r"^EPLB replica sync: [0-9.]+ ms per step .*replicas computed (\d+) routed tokens",
                             re.MULTILINE)
