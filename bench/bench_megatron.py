@@ -1,5 +1,8 @@
 """Megatron's 1F1B and interleaved schedules against our DualPipeV and DualPipe (CPU, gloo).
 
+Interleaved runs with two virtual stages per rank, and with four where the layers split into
+``4 * P`` whole stages (8 layers: at P=2).
+
 One launch of ``world`` processes per configuration builds every schedule's model once
 (importing Megatron costs seconds per process) and then runs the schedules in rounds,
 each schedule once per round, the order reversed every other round (A B C C B A ...), so
@@ -47,7 +50,7 @@ import torch.multiprocessing as mp
 import megatron_gpt  # bench/ modules: this script's directory is on sys.path
 import plain_gpt
 from busy_time import ComputeClock, time_megatron_compute
-from megatron_gpt import MEGATRON_SCHEDULES, OUR_SCHEDULES, TUNED, GPTShape
+from megatron_gpt import OUR_SCHEDULES, TUNED, GPTShape, megatron_schedules
 from ports import free_port
 from schedule_report import markdown, summarize
 
@@ -78,7 +81,8 @@ class BenchConfig:
         return self.microbatches * self.shape.micro_batch * self.shape.seq * self.ep
 
     def schedules(self) -> list[str]:
-        return [*MEGATRON_SCHEDULES, *OUR_SCHEDULES, TUNED, *(plain_gpt.PLAIN_SCHEDULES if self.plain else ())]
+        return [*megatron_schedules(self.shape, self.pp), *OUR_SCHEDULES, TUNED,
+                *(plain_gpt.PLAIN_SCHEDULES if self.plain else ())]
 
 
 def quiet_megatron_imports() -> None:
@@ -117,8 +121,8 @@ def _worker(rank: int, config: BenchConfig, port: int, out_dir: str, traces: Pat
     install_cpu_compat()
     clock = ComputeClock()
     time_megatron_compute(clock)
-    variants = megatron_gpt.build([*MEGATRON_SCHEDULES, *OUR_SCHEDULES], config.shape, config.pp, config.ep,
-                                  config.microbatches, clock, traces)
+    variants = megatron_gpt.build([*megatron_schedules(config.shape, config.pp), *OUR_SCHEDULES], config.shape,
+                                  config.pp, config.ep, config.microbatches, clock, traces)
     if config.plain:
         variants += plain_gpt.build(config.shape, config.pp, config.microbatches, traces)
     for _ in range(config.warmup):

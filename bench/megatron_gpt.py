@@ -29,7 +29,8 @@ from busy_time import ComputeClock
 from mcore_state import ParallelState
 from variant import Variant, all_params
 
-MEGATRON_SCHEDULES = ("1f1b", "interleaved")
+# Megatron's schedules and their virtual stages per rank (None: 1F1B without virtual stages).
+MEGATRON_VPP = {"1f1b": None, "interleaved": 2, "interleaved-4": 4}
 OUR_SCHEDULES = ("dualpipev", "dualpipe")
 TUNED = "dualpipev-tuned"  # DualPipeV: auto layout, op order optimized for measured stage costs
 ACCOUNTING = dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
@@ -154,6 +155,12 @@ def accounting_effect(shape: GPTShape, pp: int) -> str:
     return f"{accounted} decoder layers per rank, not measured"
 
 
+def megatron_schedules(shape: GPTShape, pp: int) -> list[str]:
+    """Megatron's schedules that can run this model: interleaving with ``v`` virtual stages
+    needs whole layers in each of the ``pp * v`` stages."""
+    return [s for s, vpp in MEGATRON_VPP.items() if vpp is None or shape.layers % (pp * vpp) == 0]
+
+
 def flop_costs(shape: GPTShape) -> Any:
     """The FLOP model's per-layer costs of this GPT (what ``--dualpipe-layout auto`` uses)."""
     from dualpipe_megatron.schedules.layout import LayerCosts, ModelShape
@@ -164,11 +171,11 @@ def flop_costs(shape: GPTShape) -> Any:
 
 
 def megatron_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, clock: ComputeClock) -> Variant:
-    """Megatron's own 1F1B, or interleaved 1F1B with two virtual stages per rank."""
+    """Megatron's own 1F1B, or interleaved 1F1B with two or four virtual stages per rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    vpp = 2 if schedule == "interleaved" else None
+    vpp = MEGATRON_VPP[schedule]
     state = ParallelState(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
                           expert_model_parallel_size=ep)
     config = _config(shape, pp, vpp, ep)
@@ -237,7 +244,7 @@ def build(schedules: list[str], shape: GPTShape, pp: int, ep: int, m: int, clock
     """The variants in ``schedules`` order (collective: every rank builds the same list)."""
     out = []
     for schedule in schedules:
-        if schedule in MEGATRON_SCHEDULES:
+        if schedule in MEGATRON_VPP:
             out.append(megatron_variant(schedule, shape, pp, ep, m, clock))
         else:
             out.append(our_variant(schedule, shape, pp, ep, m, trace_root))

@@ -21,6 +21,7 @@ PAIR_HEADER = ["config", "torch ScheduleDualPipeV ÷ our native Pipeline (plain 
 LABELS = {
     "1f1b": "Megatron 1F1B",
     "interleaved": "Megatron interleaved (VPP=2)",
+    "interleaved-4": "Megatron interleaved (VPP=4)",
     "dualpipev": "ours dualpipev",
     "dualpipe": "ours dualpipe",
     "dualpipev-tuned": "ours dualpipev, auto layout + order optimized for measured stage costs",

@@ -19,11 +19,13 @@ from typing import NamedTuple, Optional
 
 from .ir import B, F, FB, Key, Op, Schedule, W, halves
 from .simulate import AnyCosts, StageCosts, peak_live_activations, simulate
+from .validate import op_needs, produces
 
 INF = float("inf")
 # Local-search evaluations per candidate scale as this many op-simulations (bounded below/above).
 _SEARCH_WORK = 400_000
 _MIN_EVALS, _MAX_EVALS = 60, 2000
+_KIND = {"F": 0, "B": 1, "W": 2}  # event kinds of validate's events, as ints
 
 
 class _Op(NamedTuple):
@@ -63,37 +65,22 @@ class _Model:
         self.events = sched.directions * self.stages * self.per * 3
         self._cache: dict[Op, _Op] = {}
 
-    def event(self, kind: int, k: Key) -> int:
-        return ((k.d * self.stages + k.s) * self.per + k.m) * 3 + kind
-
-    def _need(self, kind: int, k: Key, here: int) -> tuple[int, float]:
-        return self.event(kind, k), (self.c if self.rank[(k.d, k.s)] != here else 0.0)
+    def event(self, kind: str, k: Key) -> int:
+        return ((k.d * self.stages + k.s) * self.per + k.m) * 3 + _KIND[kind]
 
     def enc(self, op: Op) -> _Op:
+        """The op's events and costs, its dependencies by the validator's rules."""
         got = self._cache.get(op)
         if got is not None:
             return got
-        needs: list[tuple[int, float]] = []
-        makes: list[int] = []
-        forwards = frees = 0
-        for h in halves(op):
-            k, here = h.key, self.rank[(h.key.d, h.key.s)]
-            if isinstance(h, F):
-                forwards += 1
-                makes.append(self.event(0, k))
-                if k.s > 0:
-                    needs.append(self._need(0, Key(k.d, k.s - 1, k.m), here))
-            elif isinstance(h, B):
-                frees += h.w
-                makes.append(self.event(1, k))
-                needs.append((self.event(0, k), 0.0))
-                if k.s < self.stages - 1:
-                    needs.append(self._need(1, Key(k.d, k.s + 1, k.m), here))
-            else:
-                frees += 1
-                makes.append(self.event(2, k))
-                needs.append((self.event(1, k), 0.0))
-        got = _Op(self.duration(op), tuple(needs), tuple(makes), forwards, frees, op)
+        parts = halves(op)
+        here = self.rank[(parts[0].key.d, parts[0].key.s)]  # an FB's halves share a rank
+        needs = tuple((self.event(kind, k), self.c if self.rank[(k.d, k.s)] != here else 0.0)
+                      for kind, k in op_needs(op, self.stages))
+        makes = tuple(self.event(kind, k) for kind, k in produces(op))
+        forwards = sum(isinstance(h, F) for h in parts)
+        frees = sum(h.w if isinstance(h, B) else isinstance(h, W) for h in parts)
+        got = _Op(self.duration(op), needs, makes, forwards, frees, op)
         self._cache[op] = got
         return got
 
