@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,12 +50,13 @@ class _LaunchServer:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.pending = b""
+        self.stderr = tempfile.TemporaryFile()  # the server's own output (its imports), for failures
 
     def _start(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
             self.proc = subprocess.Popen([sys.executable, str(FORK_LAUNCH), "--serve"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+                                         stdout=subprocess.PIPE, stderr=self.stderr, env=env, cwd=REPO)
             self.pending = b""
         return self.proc
 
@@ -66,7 +68,9 @@ class _LaunchServer:
                 raise subprocess.TimeoutExpired("fork_launch.py --serve", timeout)
             chunk = os.read(self.proc.stdout.fileno(), 4096)
             if not chunk:
-                raise RunFailed("the launch server exited (fork_launch.py --serve)")
+                self.stderr.seek(0)
+                said = self.stderr.read().decode(errors="replace")[-6000:]
+                raise RunFailed(f"the launch server (fork_launch.py --serve) exited:\n{said}")
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
