@@ -26,12 +26,14 @@ for on stdin), which installs the hooks in the job's environment and forks the r
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import multiprocessing
 import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
@@ -41,6 +43,17 @@ PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _fork(child: Callable[[], int]) -> int:
+    """Fork; the child runs ``child`` and exits with its code. Output is flushed first, so that
+    neither process writes what the other had buffered."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(child())
+    return pid
 
 
 def _checkpoint_write_queues(nproc: int) -> tuple[SyncManager, list]:
@@ -91,14 +104,10 @@ def launch(nproc: int, port: str, args: list[str]) -> int:
     install_cpu_compat()
     install_for_megatron()
     manager, write_queues = _checkpoint_write_queues(nproc)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    argv = [str(REPO / "scripts" / "pretrain_gpt.py"), *args]
     children = {}
     for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(_rank(rank, nproc, port, [str(REPO / "scripts" / "pretrain_gpt.py"), *args],
-                           write_queues[rank]))
+        pid = _fork(functools.partial(_rank, rank, nproc, port, argv, write_queues[rank]))
         children[pid] = rank
     groups = list(children)
     failed = 0
@@ -151,12 +160,7 @@ def serve() -> int:
     _die_with_parent()
     _import_once()
     for line in sys.stdin:
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os._exit(_job(request))
+        pid = _fork(functools.partial(_job, json.loads(line)))
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)

@@ -123,6 +123,8 @@ def _args(**overrides) -> argparse.Namespace:
     ({"eplb_redundant_experts": 2, "expert_model_parallel_size": 1}, "needs --expert-model-parallel-size > 1"),
     ({"eplb_redundant_experts": 2, "moe_grouped_gemm": True}, "leave out --moe-grouped-gemm"),
     ({"eplb_redundant_experts": 2, "moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor"),
+    ({"eplb_redundant_experts": 2, "moe_apply_probs_on_input": True}, "--moe-apply-probs-on-input"),
+    ({"eplb_redundant_experts": 2, "fp8": "hybrid"}, "FP8/FP4 experts"),
     ({"eplb_redundant_experts": 2, "moe_token_dispatcher_type": "flex"}, "alltoall and allgather token"),
 ])
 def test_flags_refuse_what_eplb_cannot_run(overrides: dict, message: str) -> None:
