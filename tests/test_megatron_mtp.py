@@ -8,8 +8,10 @@ positions would hold a second, untied position table when the pipeline is split,
 PP=1 model the runs start from).
 
 - N=1 at P=2 and N=2 at P=4, each from one PP=1 checkpoint (learning rate 0): ``lm loss`` and
-  every ``mtp_k loss`` equal to the printed digits at every iteration, grad norms to relative
-  1e-4 (a sum of squares over all parameters, reduced in another order); DualPipeV at P=2 with
+  every ``mtp_k loss`` at every iteration equal to the printed digits under DualPipeV (the same
+  reduction order as 1F1B) and to relative 1e-6 under DualPipe (mirrored copies summed in
+  another order), grad norms to relative 1e-4 (a sum of squares over all parameters, reduced in
+  another order); DualPipeV at P=2 with
   ``--dualpipe-layout auto``, which puts the MTP layer's weight on rank 0 and chooses an uneven
   split (``Ett|tt|ttt|tmL``);
 - at P=2 a DualPipeV checkpoint resumes under 1F1B and a 1F1B one under DualPipeV with the
@@ -29,7 +31,11 @@ from pretrain_runs import TRAIN, RunFailed, grad_norms, losses, run
 ROPE = ["--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 MTP_LOSS = re.compile(r"mtp_(\d+) loss: ([0-9.E+-]+)")
-LOSS_RTOL, NORM_RTOL = 0.0, 1e-4  # losses: the printed digits, exactly
+# Losses by reduction order: DualPipeV accumulates every gradient in 1F1B's order, so its printed
+# digits are exact; DualPipe sums each stage's two mirrored copies (half the micro-batches each),
+# a different order whose last-bit differences show in the printed digits on some CPUs.
+LOSS_RTOL = {"dualpipev": 0.0, "dualpipe": 1e-6}
+NORM_RTOL = 1e-4  # a sum of squares over all parameters, reduced in another order
 SCHEDULES = ("1f1b", "dualpipev", "dualpipe")
 # (MTP layers, pipeline size, training iterations after the initial one)
 SHAPES = {"n1_p2": (1, 2, 5), "n2_p4": (2, 4, 4)}
@@ -107,11 +113,11 @@ def test_matches_1f1b(jobs: dict, schedule: str, shape: str) -> None:
     layers, _, iters = SHAPES[shape]
     ref, got = jobs[f"1f1b_{shape}"], jobs[f"{schedule}_{shape}"]
     its = list(range(2, 2 + iters))
-    _same(ref["loss"], got["loss"], its, LOSS_RTOL)
+    _same(ref["loss"], got["loss"], its, LOSS_RTOL[schedule])
     _same(ref["grad_norm"], got["grad_norm"], its, NORM_RTOL)
     assert sorted(got["mtp"]) == list(range(1, layers + 1))
     for depth in range(1, layers + 1):
-        _same(ref["mtp"][depth], got["mtp"][depth], its, LOSS_RTOL)
+        _same(ref["mtp"][depth], got["mtp"][depth], its, LOSS_RTOL[schedule])
 
 
 def test_auto_layout_chose_an_uneven_split(jobs: dict) -> None:
@@ -126,6 +132,6 @@ def test_checkpoints_move_between_schedules(jobs: dict, resumed: str) -> None:
     ref, got = jobs["1f1b_n1_p2"], jobs[resumed]
     _, _, iters = SHAPES["n1_p2"]
     first = SAVE_AT + 1
-    _same(ref["loss"], got["loss"], [first], LOSS_RTOL)
-    _same(ref["mtp"][1], got["mtp"][1], [first], LOSS_RTOL)
+    _same(ref["loss"], got["loss"], [first], LOSS_RTOL["dualpipev"])
+    _same(ref["mtp"][1], got["mtp"][1], [first], LOSS_RTOL["dualpipev"])
     _same(ref["grad_norm"], got["grad_norm"], list(range(first, 2 + iters)), NORM_RTOL)
