@@ -146,3 +146,45 @@ def mirrored_param_mismatch(model: Sequence[nn.Module], stage_map: StageMap, ran
         worst = torch.maximum(worst, (both[0] - both[1]).abs().max())
     return float(worst)
 
+
+
+def _bias_routers(model: Sequence[nn.Module], stage_map: StageMap, rank: int) -> list[nn.Module]:
+    """Routers with aux-loss-free balancing (``--moe-router-enable-expert-bias``), in model-stage
+    order, which both members of a mirror pair share."""
+    return [m for c in _stage_chunks(stage_map, rank) for m in model[c].modules()
+            if getattr(m, "expert_bias", None) is not None
+            and getattr(m, "local_tokens_per_expert", None) is not None]
+
+
+@torch.no_grad()
+def sum_mirrored_expert_token_counts(model: Sequence[nn.Module], stage_map: StageMap, rank: int,
+                                     group: dist.ProcessGroup) -> None:
+    """Sum each router's token counts over its two DualPipe copies.
+
+    Megatron's bias update (``finalize_model_grads``) sums ``local_tokens_per_expert`` over
+    TP x CP x DP only, but each copy routed half the micro-batches: without this sum the copies'
+    biases drift apart. The counts are whole numbers per logical expert (counted before any EPLB
+    permutation), so the sum is exact and both copies then make 1F1B's update.
+    """
+    counts = [m.local_tokens_per_expert for m in _bias_routers(model, stage_map, rank)]
+    if not counts:
+        return
+    flat = _flatten_dense_tensors(counts)
+    dist.all_reduce(flat, group=group)
+    for c, summed in zip(counts, _unflatten_dense_tensors(flat, counts)):
+        c.copy_(summed)
+
+
+@torch.no_grad()
+def mirrored_expert_bias_mismatches(model: Sequence[nn.Module], stage_map: StageMap, rank: int,
+                                    group: dist.ProcessGroup) -> tuple[int, int]:
+    """(routers checked, routers whose ``expert_bias`` differs in any bit between the two copies)."""
+    biases = [m.expert_bias for m in _bias_routers(model, stage_map, rank)]
+    if not biases:
+        return 0, 0
+    flat = _flatten_dense_tensors(biases)
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat, group=group)
+    differ = sum(not torch.equal(a, b) for a, b in zip(_unflatten_dense_tensors(both[0], biases),
+                                                       _unflatten_dense_tensors(both[1], biases)))
+    return len(biases), differ

@@ -14,6 +14,7 @@ reports to the last pipeline rank, where ``train_step`` reads them.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -31,7 +32,9 @@ from ..schedules import Schedule, ScheduleError, build_schedule, simulate, valid
 from ..schedules.optimize import optimize_order
 from ..schedules.simulate import Costs, StageCosts
 from ..trace.recorder import OpTracer
-from .grads import sum_mirrored_grads, sum_tied_embedding_grads
+from .grads import (
+    mirrored_expert_bias_mismatches, sum_mirrored_expert_token_counts, sum_mirrored_grads, sum_tied_embedding_grads,
+)
 from .guard import check_private_symbols
 from .moe_overlap import MoEOverlapStage, announce_overlap, overlap_enabled
 from .mtp import recording_mtp_metrics, replay_mtp_metrics
@@ -243,6 +246,25 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
 GRADIENT_SOURCES: list[Callable[[Sequence[nn.Module]], None]] = []
 
 
+CHECK_EXPERT_BIAS_ENV = "DUALPIPE_CHECK_EXPERT_BIAS"  # "1": after every step, compare the copies' biases
+
+
+def check_mirrored_expert_bias(sp: StepPlan, mirror_group: dist.ProcessGroup | None) -> None:
+    """Debug check (collective over the world): every router's ``expert_bias`` is bitwise equal in
+    both DualPipe copies after the step's update; raises on every rank otherwise."""
+    checked, differ = (0, 0) if mirror_group is None else mirrored_expert_bias_mismatches(
+        sp.chunks, sp.stage_map, sp.rank, mirror_group)
+    totals = torch.tensor([checked, differ], dtype=torch.int64, device=next(sp.chunks[0].parameters()).device)
+    dist.all_reduce(totals)
+    checked, differ = (int(v) for v in totals)
+    if differ:
+        raise RuntimeError(f"DualPipe expert-bias check: {differ} of {checked} router copies differ "
+                           "from their mirrored copy after the bias update")
+    if dist.get_rank() == 0:
+        print(f"DualPipe expert-bias check: all {checked} router copies equal their mirrored copies "
+              "bitwise", flush=True)
+
+
 def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronStep,
                 force_all_reduce: bool | None) -> list:
     """Sum tied and mirrored grads, let Megatron finalize, replay the MTP metrics on every pipeline
@@ -254,6 +276,7 @@ def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronSte
         sum_tied_embedding_grads(sp.chunks, sp.stage_map, sp.rank)
         if sp.sched.directions > 1:
             sum_mirrored_grads(sp.chunks, sp.stage_map, sp.rank, options.state.mirror_group)
+            sum_mirrored_expert_token_counts(sp.chunks, sp.stage_map, sp.rank, options.state.mirror_group)
         if config.grad_sync_func is not None:
             for c, func in enumerate(_as_list(config.grad_sync_func, len(sp.chunks))):
                 func(sp.chunks[c].parameters())
@@ -265,6 +288,8 @@ def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronSte
                 sp.chunks, total if config.calculate_per_token_loss else None,
                 pg_collection=sp.pg_collection, force_all_reduce=force_all_reduce,
             )
+        if sp.sched.directions > 1 and os.environ.get(CHECK_EXPERT_BIAS_ENV) == "1":
+            check_mirrored_expert_bias(sp, options.state.mirror_group)
         if step.mtp_records is not None:
             replay_mtp_metrics(step.mtp_records, sp.group, step.num_tokens.device)  # made on the model's device
     return _relay_to_last_rank(sp.sched, sp.rank, step, sp.group)
