@@ -37,20 +37,23 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 def layer_spec(args, config, vp_stage: int | None):
     """Local layers, or Transformer Engine's where it is installed and asked for. MoE models get
-    Megatron's decoder block spec, which follows ``--moe-layer-freq`` (dense and MoE layers)."""
+    Megatron's decoder block spec, which follows ``--moe-layer-freq`` (dense and MoE layers) and
+    the config's ``multi_latent_attention``; dense ones are told it (``--multi-latent-attention``),
+    or they would silently get standard attention."""
     use_te = args.transformer_impl == "transformer_engine"
     if args.num_experts:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                           normalization=args.normalization, vp_stage=vp_stage)
+    attention = {"qk_layernorm": args.qk_layernorm, "multi_latent_attention": args.multi_latent_attention}
     if not use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
+        return get_gpt_layer_local_spec(**attention)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    return get_gpt_layer_with_transformer_engine_spec(**attention)
 
 
 def mtp_spec(args, config, spec, vp_stage: int | None):

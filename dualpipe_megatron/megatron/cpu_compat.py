@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dualpipe_megatron.megatron.guard import PatchSet, check_version
+from dualpipe_megatron.megatron.guard import PatchSet, around, check_version
 
 DISABLE_ENV = "DUALPIPE_CPU_COMPAT_DISABLE"
 CPU = torch.device("cpu")
@@ -309,6 +309,28 @@ def _install_norms() -> None:
     PATCHES.patch(WrappedTorchNorm, "__new__", sequence_parallel_norm, _WRAPPED_NORM)
 
 
+# --- mla ----------------------------------------------------------------------------------
+
+_MLA_INIT = ("(self, config, submodules, layer_number, attn_mask_type, attention_type, cp_comm_type=None, "
+             "pg_collection=None, pp_layer_offset=None, name=None)")
+
+
+def _install_mla() -> None:
+    """Multi-latent attention in Megatron's local spec (the only spec without TE): MLA builds its
+    core attention with separate query-key and value head sizes, which Megatron's local
+    ``DotProductAttention`` does not take (a TypeError at model build). MLA gets our attention
+    of the same math instead, and only where its submodules name that local attention."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    from dualpipe_megatron.megatron.mla_attention import with_mla_core_attention
+
+    def init(original: Callable[..., None], self: Any, config: Any, submodules: Any, *args: Any,
+             **kwargs: Any) -> None:
+        original(self, config, with_mla_core_attention(submodules), *args, **kwargs)
+
+    PATCHES.patch(MultiLatentAttention, "__init__", around(MultiLatentAttention.__init__, init), _MLA_INIT)
+
+
 # --- pretrain -----------------------------------------------------------------------------
 
 
@@ -376,6 +398,7 @@ GROUPS: dict[str, Callable[[], None]] = {
     "all_to_all": _install_all_to_all,
     "compile": _install_compile,
     "norms": _install_norms,
+    "mla": _install_mla,
     "pretrain": _install_pretrain,
 }
 
