@@ -1,4 +1,6 @@
-"""``python -m dualpipe_megatron.trace``: merge, analyse, draw and cost a ``--dualpipe-trace`` directory.
+"""``python -m dualpipe_megatron.trace``: merge, analyse, draw and cost a ``--dualpipe-trace`` directory; profile GPU traces.
+
+``profile`` reads PyTorch-profiler Chrome traces instead (``--use-pytorch-profiler``).
 
 Bad input ends with one ``error:`` line and exit status 2.
 """
@@ -15,6 +17,9 @@ from ..schedules.ir import ScheduleError
 from .analysis import analyze, analyze_pipeline, stage_cost_fit
 from .chrome import write_chrome_trace
 from .figure import draw_measured
+from .profile import read_profiles
+from .profile_figure import draw_profiles
+from .profile_report import format_profiles, profiles_json
 from .records import TraceError, load, pipelines
 from .report import format_report, summary
 
@@ -53,6 +58,17 @@ def cmd_costs(args: argparse.Namespace) -> None:
           f"{fit.predicted_ms:.2f} ms, measured median {fit.measured_ms:.2f} ms")
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    profiles = read_profiles(args.files)
+    print(format_profiles(profiles))
+    if args.json:
+        Path(args.json).write_text(json.dumps(profiles_json(profiles), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.figure:
+        draw_profiles(profiles, args.figure)
+        print(f"wrote {args.figure}")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dualpipe_megatron.trace", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +96,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", type=int, default=1, help="warm-up training steps left out (default 1)")
     p.add_argument("--pipeline", type=int, default=0, help="which pipeline (0 = lowest global ranks)")
     p.set_defaults(func=cmd_costs)
+    p = sub.add_parser("profile", help="PyTorch-profiler traces: compute, communication hidden and exposed, "
+                                       "GPU time per phase")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="Chrome trace .json/.json.gz (one per rank), or a directory of them")
+    p.add_argument("--json", metavar="OUT", help="also write the measurements as JSON to OUT")
+    p.add_argument("--figure", metavar="PNG", help="also draw the stream lanes to this .png or .svg")
+    p.set_defaults(func=cmd_profile)
     return parser
 
 
