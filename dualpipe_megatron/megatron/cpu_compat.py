@@ -331,6 +331,28 @@ def _install_mla() -> None:
     PATCHES.patch(MultiLatentAttention, "__init__", around(MultiLatentAttention.__init__, init), _MLA_INIT)
 
 
+# --- recompute ----------------------------------------------------------------------------
+
+
+def _install_recompute() -> None:
+    """Megatron's output-discarding checkpoint (selective recompute of ``layernorm``, ``moe_act``,
+    ``mla_up_proj``) sets ``self.fp8 = fp8 is not None``, so its default ``fp8=False`` takes the
+    FP8 branch, which calls Transformer Engine's FP8 state (a NameError without TE). Without TE the
+    flag becomes what was asked for: FP8 only for a real FP8 recipe; the checkpoint is otherwise
+    Megatron's own."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if mrandom.HAVE_TE:
+        return
+
+    def init(original: Callable[..., None], self: Any, fp8: Any = False) -> None:
+        original(self, fp8)
+        self.fp8 = fp8 is not None and fp8 is not False
+
+    cls = mrandom.CheckpointWithoutOutput
+    PATCHES.patch(cls, "__init__", around(cls.__init__, init), "(self, fp8=False)")
+
+
 # --- pretrain -----------------------------------------------------------------------------
 
 
@@ -399,6 +421,7 @@ GROUPS: dict[str, Callable[[], None]] = {
     "compile": _install_compile,
     "norms": _install_norms,
     "mla": _install_mla,
+    "recompute": _install_recompute,
     "pretrain": _install_pretrain,
 }
 

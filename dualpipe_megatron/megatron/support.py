@@ -125,7 +125,11 @@ def overlap_blockers(config: Any, chunks: Sequence[nn.Module], forward_step_func
     if "moe" in (getattr(config, "recompute_modules", None) or []):
         reasons.append("recompute of the moe module")
     if getattr(config, "moe_shared_expert_overlap", False):
-        reasons.append("moe_shared_expert_overlap")
+        # Megatron's own overlap refuses it too (overlap_moe_expert_parallel_comm asserts): the plans
+        # already run the shared expert in the attention node, beside the paired micro-batch's
+        # all-to-all, so a second stream for it has nothing left to hide.
+        reasons.append("--moe-shared-expert-overlap (Megatron's schedule plans refuse it; in the F&B overlap "
+                       "the shared expert already runs beside the paired micro-batch's all-to-all: drop the flag)")
     if getattr(config, "num_moe_experts", None) and getattr(config, "moe_layer_freq", 1) != 1:
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_moe_layer_pattern
 
