@@ -19,6 +19,7 @@ from dualpipe_megatron.runtime.plan import executed_halves
 from dualpipe_megatron.runtime.profiling import NAME, PREFIX, op_range, range_name
 from dualpipe_megatron.schedules import B, F, FB, Key, Schedule, W, build_schedule
 from dualpipe_megatron.schedules.ir import halves
+from dualpipe_megatron.trace.profile import read_profiles
 from pretrain_runs import TRAIN, RunFailed, losses, run
 
 WORLD = 2
@@ -92,3 +93,12 @@ def test_megatron_profiler_trace(tmp_path: Path) -> None:
         trace = tensorboard.parent / "torch_profile" / f"rank-{rank}.json.gz"
         assert trace.exists(), f"no trace for rank {rank} in {sorted(tmp_path.rglob('*'))}"
         assert_ranges(pw.trace_ranges(str(trace), PREFIX), expected(sched, rank, False), f"rank {rank}")
+    # ``trace profile`` reads the same files end to end: a CPU run, so the ops' host-side times only.
+    profiles = read_profiles([tensorboard.parent / "torch_profile"])
+    assert [(p.rank, p.gpu) for p in profiles] == [(rank, False) for rank in range(WORLD)]
+    for p in profiles:
+        ranges = pw.trace_ranges(str(p.path), PREFIX)
+        ops = {n: ph for n, ph in p.phases.items() if n.startswith(PREFIX)}
+        assert sorted(ops) == sorted(name for name, _, _ in ranges)
+        assert all(ph.count == 1 and ph.kind in ("F", "B", "W", "FB") for ph in ops.values())
+        assert sum(ph.host_ms for ph in ops.values()) == pytest.approx(sum(e - s for _, s, e in ranges) / 1e3)
