@@ -26,6 +26,7 @@ def _samples() -> dict[str, object]:
     import torch._dynamo
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.training import arguments
 
@@ -40,6 +41,7 @@ def _samples() -> dict[str, object]:
         "dynamo disable": torch._dynamo.config.disable,
         "compile_helpers": dataset_utils.compile_helpers,
         "WrappedTorchNorm.__new__": vars(WrappedTorchNorm).get("__new__"),
+        "MultiLatentAttention.__init__": vars(MultiLatentAttention).get("__init__"),
         "get_device_arch_version": arguments.get_device_arch_version,
     }
 
