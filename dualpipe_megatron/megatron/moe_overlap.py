@@ -115,17 +115,18 @@ def describe_layers(chunks: Sequence[nn.Module]) -> str:
     return "; ".join(parts)
 
 
-def announce_overlap(overlapped: int, rank_ops: Sequence[Op]) -> None:
-    """Say once per process, on global rank 0, how many of this rank's FB ops ran overlapped and
-    what ran how in each chunk (the counterpart of the warning above, so a log shows which way a
-    run went)."""
+def announce_overlap(overlapped: int, deferred: int, rank_ops: Sequence[Op]) -> None:
+    """Say once per process, on global rank 0, how many of this rank's FB ops ran overlapped, how
+    many weight-grad closures its W ops ran (the W split inside the plans), and what ran how in
+    each chunk (the counterpart of the warning above, so a log shows which way a run went)."""
     if "overlap on" in _said or not _global_rank_0():
         return
     _said.add("overlap on")
     fb_ops = sum(isinstance(op, FB) for op in rank_ops)
     layers = _layers.pop() if _layers else ""
     print(f"DualPipe MoE F&B overlap on: {overlapped} of {fb_ops} FB ops on this rank ran through "
-          f"Megatron's combined_forward_backward_step" + (f"; {layers}" if layers else ""), flush=True)
+          f"Megatron's combined_forward_backward_step, and its W ops ran {deferred} deferred weight-grad "
+          f"closures" + (f"; {layers}" if layers else ""), flush=True)
 
 
 class _Pending:

@@ -235,7 +235,7 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
     step.mtp_records = mtp_records
     options.state.last_stats = executor.stats
     if sp.overlap:
-        announce_overlap(executor.stats.overlapped, sp.sched.ops[sp.rank])
+        announce_overlap(executor.stats.overlapped, executor.stats.deferred, sp.sched.ops[sp.rank])
     step.finish()
     return step
 
