@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch scripts/pretrain_gpt.py with DualPipeV on GPUs through torchrun, one call per node.
 #
-# A TEMPLATE with DeepSeek-V3-like settings (61 layers, MLA, 256 routed experts top-8 plus a
+# A TEMPLATE with DeepSeek-V3's settings (61 layers, MLA, 256 routed experts top-8 plus a
 # shared expert, FP8 blockwise, PP=16 dualpipev x EP=64 on 256 nodes of 8 GPUs). It has not been
 # run here: this project is verified on CPU only, and the DualPipe runtime on NCCL, Transformer
 # Engine, FP8 and the flex/DeepEP dispatcher are untested with our schedule (see the README's
@@ -10,8 +10,9 @@
 # Every setting is an environment variable; extra arguments go to pretrain_gpt.py last (and win):
 #   NNODES=1 PP=2 EP=4 NUM_LAYERS=16 LAYOUT= HIDDEN=2048 FFN_HIDDEN=8192 HEADS=16 NUM_EXPERTS=64 \
 #       GBS=64 scripts/launch_torchrun.sh --train-iters 100    # a one-node, 8-GPU proxy
-#   DRY_RUN=1 scripts/launch_torchrun.sh                      # print the command, run nothing
-#   scripts/launch_torchrun.sh --dry-run ...                  # the same
+#   DRY_RUN=1 scripts/launch_torchrun.sh      # print the command and check its plan, run nothing
+#   scripts/launch_torchrun.sh --dry-run ...  # the same (PLAN=0: the command only)
+#   SCHEDULE=dualpipe scripts/launch_torchrun.sh --dry-run  # DualPipe (its own default layout)
 # Multi-node: run it once per node with NODE_RANK and MASTER_ADDR set (launch_slurm.sbatch does).
 set -euo pipefail
 
@@ -34,11 +35,17 @@ TP=${TP:-1}
 EP=${EP:-64}
 MBS=${MBS:-1}
 GBS=${GBS:-15360}                # micro-batches per step = GBS / (MBS x DP); must be >= 2 x PP
-# Layers per stage in stage order (2 x PP stages for dualpipev): embedding + 1 layer first, 30
-# stages of 2 layers, the MTP layer and the loss alone last (it shares rank 0 with the embedding).
-# Empty: even split.
+# Layers per stage in stage order, what --dualpipe-layout auto picks for DeepSeek-V3 at P=16:
+# dualpipev (2 x PP stages): embedding + 1 layer first, 30 stages of 2 layers, the MTP layer and
+# the loss alone last (it shares rank 0 with the embedding); dualpipe (PP stages per direction):
+# embedding + 4 layers, 14 stages of 4, then 1 layer with the MTP layer and the loss.
+# Empty: even split; auto: the layout search at start-up.
 NUM_LAYERS=${NUM_LAYERS:-61}
-LAYOUT=${LAYOUT-"Et|(tt|)*30mL"}
+case "$SCHEDULE" in
+    dualpipev) LAYOUT=${LAYOUT-"Et|(tt|)*30mL"} ;;
+    dualpipe) LAYOUT=${LAYOUT-"Etttt|(tttt|)*14tmL"} ;;
+    *) LAYOUT=${LAYOUT-} ;;
+esac
 TRACE_DIR=${TRACE_DIR:-}         # set to record every pipeline op (python -m dualpipe_megatron.trace)
 
 WORLD=$((NNODES * GPUS_PER_NODE))
@@ -117,10 +124,10 @@ TRAINING=(
 )
 [[ -n "${CKPT_DIR:-}" ]] && TRAINING+=(--save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000 --ckpt-format torch_dist)
 
+PRETRAIN_ARGS=("${MODEL[@]}" "${PARALLEL[@]}" "${PRECISION[@]}" "${DATA[@]}" "${TRAINING[@]}" "$@")
 CMD=("$TORCHRUN" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
      --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-     "$REPO/scripts/pretrain_gpt.py" "${MODEL[@]}" "${PARALLEL[@]}" "${PRECISION[@]}" "${DATA[@]}"
-     "${TRAINING[@]}" "$@")
+     "$REPO/scripts/pretrain_gpt.py" "${PRETRAIN_ARGS[@]}")
 
 if [[ "$DRY_RUN" == 1 ]]; then
     echo "# dry run: $WORLD GPUs = PP $PP x TP $TP x DP $DP (EP $EP), $MICROBATCHES micro-batches per step"
@@ -130,6 +137,13 @@ if [[ "$DRY_RUN" == 1 ]]; then
     done
     echo "# command"
     printf '%q ' "${CMD[@]}"; echo
+    # The plan: every start-up check, the layout, memory per rank, the projected step (no model
+    # is built). Run it where the training environment is (FP8 needs Transformer Engine); PLAN=0
+    # skips it. A refusal fails the dry run with the check's message.
+    if [[ "${PLAN:-1}" == 1 ]]; then
+        "${PYTHON:-python}" -m dualpipe_megatron.launch_plan --world-size "$WORLD" \
+            --gpus-per-node "$GPUS_PER_NODE" -- "${PRETRAIN_ARGS[@]}"
+    fi
     exit 0
 fi
 exec "${CMD[@]}"

@@ -3,7 +3,10 @@
 No GPU, torchrun job or SLURM is needed: a dry run prints the command and runs nothing
 (``TORCHRUN=false``/no ``srun`` would fail otherwise). The printed pretraining arguments go
 through Megatron's own argument parser with our flags and through our schedule checks, so a
-typo'd flag or a layout that does not fit the stages fails here, not on a cluster.
+typo'd flag or a layout that does not fit the stages fails here, not on a cluster. The dry
+run's plan (``dualpipe_megatron.launch_plan``) runs in-process on the printed arguments for both
+schedules, with the GPU node's facts (Transformer Engine, CUDA) mocked so Megatron's own
+``validate_args`` runs too; one dry run runs the plan as the script does, to a refusal.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import functools
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -27,8 +31,9 @@ PROXY = dict(NNODES="1", PP="2", EP="4", NUM_LAYERS="16", LAYOUT="", HIDDEN="204
 
 def _run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NNODES", "DRY_RUN"))}
-    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
-                          env={**clean, "TORCHRUN": "false", **env}, cwd=REPO)
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=120,
+                          env={**clean, "TORCHRUN": "false", "PLAN": "0", "PYTHON": sys.executable, **env},
+                          cwd=REPO)
 
 
 def _command(output: str) -> list[str]:
@@ -83,10 +88,26 @@ def test_torchrun_dry_run_is_deepseek_v3_like(env: dict[str, str], dry_flag: boo
     args = _check_pretrain_args(cmd)
     assert (args.pipeline_schedule, args.pipeline_model_parallel_size, args.expert_model_parallel_size) == \
         ("dualpipev", 16, 64)
-    assert (args.fp8, args.fp8_recipe, args.num_experts, args.moe_router_topk) == ("e4m3", "blockwise", 256, 8)
-    assert args.multi_latent_attention and args.num_layers == 61 and args.mtp_num_layers == 1
+    assert (args.fp8, args.fp8_recipe) == ("e4m3", "blockwise")
     assert args.dualpipe_layout == "Et|(tt|)*30mL"  # the MTP layer with the loss, on rank 0
     assert args.train_iters == 7  # extra arguments come last and win
+    _assert_deepseek_v3(args)
+
+
+def _assert_deepseek_v3(args: argparse.Namespace) -> None:
+    """DeepSeek-V3's architecture (arXiv 2412.19437, its config.json), setting by setting."""
+    assert args.num_layers == 61 and args.moe_layer_freq == [0] * 3 + [1] * 58  # the first 3 dense
+    assert (args.hidden_size, args.num_attention_heads, args.ffn_hidden_size) == (7168, 128, 18432)
+    assert args.multi_latent_attention and args.qk_layernorm
+    assert (args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim) == \
+        (1536, 512, 128, 64, 128)
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (256, 8, 2048)
+    assert args.moe_shared_expert_intermediate_size == 2048  # one shared expert of the routed width
+    assert (args.moe_router_num_groups, args.moe_router_group_topk) == (8, 4)
+    assert args.moe_router_score_function == "sigmoid" and args.moe_router_enable_expert_bias
+    assert args.moe_router_topk_scaling_factor == 2.5
+    assert args.mtp_num_layers == 1 and args.vocab_size == 129280 and args.seq_length == 4096
+    assert (args.pipeline_model_parallel_size, args.expert_model_parallel_size) == (16, 64)
 
 
 def test_torchrun_dry_run_proxy_options() -> None:
@@ -122,3 +143,68 @@ def test_slurm_dry_run(env: dict[str, str], dry_flag: bool) -> None:
     assert cmd[cmd.index("--master-addr") + 1] == "MASTER_HOST" and cmd[cmd.index("--node-rank") + 1] == "0"
     args = _check_pretrain_args(cmd)
     assert args.dualpipe_trace == "/traces/job-dry-run" and args.train_iters == 3
+
+
+def _plan(cmd: list[str]) -> tuple[list[str], float]:
+    """The dry run's plan of a printed command, in-process, on a GPU node as mocked here:
+    Transformer Engine present (FP8), CUDA present (so Megatron's validate_args runs) with a
+    Hopper's compute capability (grouped GEMMs) and a recent TE. Returns the report and the
+    seconds it took (the Megatron import not counted: ``_parser`` paid it)."""
+    import time
+
+    import torch
+    from megatron.training import arguments
+
+    from dualpipe_megatron import launch_plan
+    from dualpipe_megatron.megatron import support
+
+    _parser()
+    launcher = dict(zip(cmd[1:], cmd[2:]))
+    world = int(launcher["--nnodes"]) * int(launcher["--nproc-per-node"])
+    script = next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py"))
+    start = time.perf_counter()
+    with mock.patch.object(support, "_have_transformer_engine", lambda: True), \
+            mock.patch.object(launch_plan, "_have_cuda", lambda: True), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda *_: (9, 0)), \
+            mock.patch.object(arguments, "is_te_min_version", lambda *_, **__: True):
+        lines = launch_plan.report(launch_plan.check(launch_plan.parse(cmd[script + 1:], world)))
+    return lines, time.perf_counter() - start
+
+
+@pytest.mark.parametrize(("schedule", "stages", "layout"), [
+    ("dualpipev", 32, "Et|tt|" + "tt|" * 29 + "mL"),
+    ("dualpipe", 16, "Etttt|" + "tttt|" * 14 + "tmL"),
+])
+def test_dry_run_plan(schedule: str, stages: int, layout: str) -> None:
+    """The full-size template's plan under each schedule's default layout: every check passes,
+    Megatron's included (61 layers do not divide by P=16: our layout must reach it as one), and
+    the report has the layout, a memory row per rank and the projected step."""
+    result = _run(TORCHRUN_SH, "--dry-run", SCHEDULE=schedule)
+    assert result.returncode == 0, result.stderr
+    lines, seconds = _plan(_command(result.stdout))
+    text = "\n".join(lines)
+    assert lines[0].startswith(f"# plan: {schedule} on 2048 GPUs = PP 16 x TP 1 x DP 128 (EP 64), 120 micro"), text
+    assert "checks: ours passed" in text and "Megatron's validate_args passed" in text
+    assert f"layout (--dualpipe-layout, {stages} stages): {layout}" in text
+    # DeepSeek-V3 has 671B parameters (its MTP module is counted apart).
+    assert "parameters: 671.0" in text and "B in its MTP layers" in text
+    rows = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r.split("|")[1]) for r in rows] == list(range(16))
+    stage_pairs = [tuple(int(s) for s in r.split("|")[2].split(",")) for r in rows]
+    assert stage_pairs[0] == ((0, 31) if schedule == "dualpipev" else (0, 15))
+    for row in rows:  # params, weights+grads+optimizer, peak activations: all present and positive
+        assert all(float(cell) > 0 for cell in row.split("|")[4:7]), row
+    step = next(line for line in lines if line.startswith("projected step: "))
+    assert float(step.split()[2].replace(",", "")) > 0 and "tokens/s/GPU" in step, step
+    assert seconds < 30, seconds
+
+
+def test_dry_run_plan_refuses_a_layout_of_the_other_schedule() -> None:
+    """The script runs the plan after the command; DualPipe given DualPipeV's 2P-stage layout
+    is refused there with our check's message and a non-zero exit (no Transformer Engine here,
+    so without FP8)."""
+    result = _run(TORCHRUN_SH, "--dry-run", SCHEDULE="dualpipe", LAYOUT="Et|(tt|)*30mL", FP8="0", PLAN="1")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "# command" in result.stdout and "# plan" not in result.stdout
+    assert "refused: --pipeline-schedule dualpipe: pipeline layout has 32 stages; this schedule needs 16" \
+        in result.stderr

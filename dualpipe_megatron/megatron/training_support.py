@@ -155,6 +155,11 @@ def pre_validate(args: argparse.Namespace) -> None:
     problems = argument_problems(args)
     if problems:
         raise ValueError("; ".join(problems))
+    if getattr(args, "dualpipe_layout", None) is not None:
+        # Without a layout Megatron asks --num-layers to divide by P (DeepSeek-V3's 61 at P=16
+        # do not); ours places layers by model stage. Megatron only counts a layout's stages
+        # here: one per rank keeps its interleaved checks off. post_validate sets ours.
+        args.pipeline_model_parallel_layout = "|".join(["t"] * args.pipeline_model_parallel_size)
 
 
 def post_validate(args: argparse.Namespace) -> None:
