@@ -9,6 +9,7 @@ pipeline size P), MASTER_ADDR and MASTER_PORT set. Every layout starts from the 
 
 from __future__ import annotations
 
+import random
 import sys
 import zlib
 from datetime import timedelta
@@ -567,12 +568,52 @@ def order_checks(pp: int) -> dict:
     return _compare(f"out_of_order_forwards_dualpipev_p{pp}", ref, got)
 
 
+def _seeded_stage_costs(stages: int, seed: int) -> dict:
+    """A stage-cost file's contents with random whole costs (seed 0 moves the optimized order)."""
+    rng = random.Random(seed)
+    entries = []
+    for s in range(stages):
+        f = rng.randint(1, 6)
+        b = rng.randint(f, 3 * f)
+        entries.append({"d": 0, "s": s, "F": f, "B": b, "W": rng.randint(0, b - 1)})
+    return {"c": 0, "stages": entries}
+
+
+def plan_agreement_checks(pp: int) -> dict:
+    """Rank 0 optimizes the DualPipeV order for a uniform stage-cost file, the other ranks for
+    another one: every rank must raise PlanMismatchError before the step runs any op."""
+    from dualpipe_megatron.megatron.schedule import make_forward_backward_func
+    from dualpipe_megatron.runtime import PlanMismatchError
+    from dualpipe_megatron.schedules import build_schedule
+    from dualpipe_megatron.schedules.optimize import optimize_order
+    from dualpipe_megatron.schedules.simulate import StageCosts
+
+    layers, m = 2 * pp, 2 * pp
+    files = [{"c": 0, "stages": [{"d": 0, "s": s, "F": 1, "B": 2, "W": 1} for s in range(2 * pp)]},
+             _seeded_stage_costs(2 * pp, 0)]
+    costs = [StageCosts.from_json_obj(f) for f in files]
+    base = build_schedule("dualpipev", pp, m)
+    orders_differ = optimize_order(base, costs[0]).ops != optimize_order(base, costs[1]).ops
+    chunks, options = _our_layout("dualpipev", layers, pp, False)
+    options.optimize_for = costs[0 if dist.get_rank() == 0 else 1]
+    error = ""
+    try:
+        _step(chunks, make_forward_backward_func(options), m, 43)
+    except PlanMismatchError as exc:
+        error = str(exc)
+    ran = options.state.last_stats
+    ok = orders_differ and "differ from rank 0" in error and ran is None
+    return _verdict(f"plan_mismatch_dualpipev_p{pp}", ok,
+                    f"orders differ {orders_differ}, ops run {ran}, error {error[:160]!r}")
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     install_cpu_compat()
     pp = dist.get_world_size()
     results = (step_checks(pp) | ddp_checks(pp) | wgrad_checks(pp) | fp8_checks(pp)
-               | recompute_checks(pp) | checkpoint_key_checks(pp) | mirror_checks(pp) | order_checks(pp))
+               | recompute_checks(pp) | checkpoint_key_checks(pp) | mirror_checks(pp) | order_checks(pp)
+               | plan_agreement_checks(pp))
     publish(out_path, results)
 
 

@@ -490,11 +490,37 @@ def failing_step(
     return outcome
 
 
+def disagreeing_plans(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 runs DualPipeV with its first two stage-0 forwards swapped (a valid schedule), rank 1
+    DeepSeek's order: both must raise PlanMismatchError before any pipeline message."""
+    from dualpipe_megatron.runtime import Pipeline, PlanMismatchError
+    from dualpipe_megatron.schedules import build_schedule, validate
+
+    sched = build_schedule("dualpipev", world, 2 * world)
+    if rank == 0:
+        ops = sched.ops[0]
+        first, second = [i for i, op in enumerate(ops) if str(op).startswith("F(d=0,s=0,")][:2]
+        ops[first], ops[second] = ops[second], ops[first]
+        validate(sched)
+    torch.manual_seed(SEED)
+    layers = build_layers(sched.stages, torch.float64)
+    (x,), y = batch(sched.microbatches * MICRO_ROWS, torch.float64)
+    pipe = Pipeline([layers[s] for s in layers_of(sched, rank)], sched, p2p_shapes=[(MICRO_ROWS, HIDDEN)],
+                    p2p_dtype=torch.float64, timeout=3.0)
+    try:
+        pipe.step(*([x] if rank == 0 else []), criterion=SumSquares(x.shape[0]), labels=[y] if rank == 0 else [])
+    except PlanMismatchError as exc:
+        return {"error": str(exc), "executed": pipe.stats.peak}
+    return {"error": None}
+
+
 def mismatched_plans(rank: int, world: int) -> dict[str, Any]:
-    """Rank 1 believes rank 0 sends micro-batch 1 before 0; the debug check must catch it."""
-    from dualpipe_megatron.runtime import Pipeline, PipelineCommError
+    """Rank 1 believes rank 0 sends micro-batch 1 before 0; with the plan-agreement check taken
+    out (it refuses such plans before any message), the debug check must still catch it."""
+    from dualpipe_megatron.runtime import Pipeline, PipelineCommError, pipeline
     from dualpipe_megatron.schedules import build_schedule
 
+    pipeline.check_plan_agreement = lambda *args: None  # this process only: it exits after the case
     sched = build_schedule("1f1b", world, 2)
     if rank == 1:
         first = sched.ops[0]

@@ -93,3 +93,7 @@ def test_activation_recompute_composes(results: tuple[int, dict], granularity: s
 def test_out_of_order_forwards_match_1f1b(results: tuple[int, dict]) -> None:
     """Data by key: a stage's forwards out of micro-batch order still read their own data."""
     _check(results, "out_of_order_forwards_dualpipev_p{pp}")
+
+
+def test_ranks_reading_different_stage_costs_refuse_to_step(results: tuple[int, dict]) -> None:
+    _check(results, "plan_mismatch_dualpipev_p{pp}")

@@ -193,6 +193,15 @@ def test_failed_rank_makes_every_other_rank_raise() -> None:
         assert "op #" in message and "micro-batch" in message, message
 
 
+def test_ranks_with_different_plans_refuse_to_step() -> None:
+    results = rw.launch(2, rw.disagreeing_plans, timeout=60)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"rank {rank} stepped with a plan rank 1 does not share"
+        assert "ranks [1] differ from rank 0" in result["error"], result
+        assert "pipeline rank 0's op 0: F(d=0,s=0,m=1) vs F(d=0,s=0,m=0)" in result["error"], result
+        assert result["executed"] == 0, f"rank {rank} ran ops before refusing"
+
+
 def test_debug_check_catches_mismatched_messages() -> None:
     results = rw.launch(2, rw.mismatched_plans, timeout=60)
     assert "message mismatch from rank 0" in results[1]["error"], results[1]

@@ -25,6 +25,7 @@ from torch import nn
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
+from ..runtime.agreement import check_plan_agreement
 from ..runtime.executor import Executor, StepData, StepStats
 from ..runtime.p2p import DistTransport, P2P
 from ..runtime.plan import MessagePlan
@@ -126,14 +127,17 @@ class StepPlan:
     forward_only: bool
 
 
-def _schedule(options: DualPipeOptions, ranks: int, microbatches: int, forward_only: bool,
-              rank: int) -> tuple[Schedule, MessagePlan]:
+def _schedule(options: DualPipeOptions, group: dist.ProcessGroup, microbatches: int, forward_only: bool,
+              device: torch.device) -> tuple[Schedule, MessagePlan]:
+    """This rank's plan, built once per program; the pipeline ranks prove they agree on it first."""
+    ranks, rank = group.size(), group.rank()
     key = (ranks, microbatches, forward_only, rank)
     plans = options.state.plans
     if key not in plans:
         sched = options.state.schedules.get((ranks, microbatches))
         if sched is None:
             sched = options.state.schedules[(ranks, microbatches)] = _build(options, ranks, microbatches)
+        check_plan_agreement(sched, forward_only, group, device)
         plans[key] = (sched, MessagePlan.build(sched, rank, forward_only))
     return plans[key]
 
@@ -173,8 +177,9 @@ def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: n
     if pg_collection is None:
         pg_collection = mcore_schedules._build_default_pg_collection()
     group = pg_collection.pp
-    ranks, rank = group.size(), group.rank()
-    sched, plan = _schedule(options, ranks, num_microbatches, forward_only, rank)
+    rank = group.rank()
+    device = next(chunks[0].parameters()).device
+    sched, plan = _schedule(options, group, num_microbatches, forward_only, device)
     stage_map = StageMap.of(sched)
     if len(chunks) != stage_map.chunks:
         raise ValueError(

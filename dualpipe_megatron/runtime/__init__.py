@@ -1,5 +1,6 @@
 """Pipeline runtime: executes schedule IR op lists over ``torch.distributed`` p2p."""
 
+from .agreement import PlanMismatchError
 from .executor import Executor, OpObserver, StepData, StepResult, StepStats
 from .mirror import sync_mirrored_grads
 from .p2p import DistTransport, DryTransport, P2P, PipelineCommError
@@ -9,6 +10,6 @@ from .wgrad import DeferrableLinear, WeightGradStore, deferring, make_linears_de
 
 __all__ = [
     "StepStats", "DeferrableLinear", "DistTransport", "DryTransport", "Executor", "Message", "MessagePlan", "OpObserver", "P2P",
-    "Pipeline", "PipelineCommError", "StepData", "StepResult", "WeightGradStore", "deferring",
+    "Pipeline", "PipelineCommError", "PlanMismatchError", "StepData", "StepResult", "WeightGradStore", "deferring",
     "make_linears_deferrable", "run_backward", "sync_mirrored_grads",
 ]

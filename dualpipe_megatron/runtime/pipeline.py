@@ -20,6 +20,7 @@ from ..schedules.registry import build_schedule
 from ..schedules.validate import validate
 from .executor import Executor, OpObserver, StepData, StepStats
 from .p2p import DistTransport, P2P, Shape
+from .agreement import check_plan_agreement
 from .plan import MessagePlan
 from .wgrad import make_linears_deferrable
 
@@ -135,6 +136,7 @@ class Pipeline(nn.Module):
         self.device = module_device(self.module)
         self.stats = StepStats()
         self._plans: dict[tuple[int, bool], tuple[Schedule, MessagePlan]] = {}
+        self._agreed: set[tuple[int, bool]] = set()  # programs every rank proved it holds too
         if defer_linear:
             for module in self.module:
                 make_linears_deferrable(module)
@@ -234,6 +236,9 @@ class Pipeline(nn.Module):
         sched, plan = self._plan_for(num_microbatches, forward_only)
         self._check_p2p(plan)
         data = self._step_data(sched, inputs, labels, criterion, return_outputs, forward_only)
+        if (num_microbatches, forward_only) not in self._agreed:  # after the local checks: bad calls stay local
+            check_plan_agreement(sched, forward_only, self.group, self.device)
+            self._agreed.add((num_microbatches, forward_only))
         chunks = dict(zip(sched.stages_on(self.rank), self.module))
         p2p = P2P(
             DistTransport(self.group, self._group_rank_of), self.rank, self.device, self._shapes,
