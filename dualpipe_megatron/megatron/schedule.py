@@ -286,11 +286,13 @@ def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronSte
             for c, func in enumerate(_as_list(config.grad_sync_func, len(sp.chunks))):
                 func(sp.chunks[c].parameters())
         if config.finalize_model_grads_func is not None:
-            # Only ranks holding a last stage counted tokens; every rank needs the total.
-            total = step.num_tokens.clone()
-            dist.all_reduce(total, group=sp.group)
+            total = None
+            if config.calculate_per_token_loss:
+                # Only ranks holding a last stage counted tokens; every rank needs the total.
+                total = step.num_tokens.clone()
+                dist.all_reduce(total, group=sp.group)
             config.finalize_model_grads_func(
-                sp.chunks, total if config.calculate_per_token_loss else None,
+                sp.chunks, total,
                 pg_collection=sp.pg_collection, force_all_reduce=force_all_reduce,
             )
         if sp.sched.directions > 1 and os.environ.get(CHECK_EXPERT_BIAS_ENV) == "1":
