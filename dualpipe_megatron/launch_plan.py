@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from .schedules.cli import CliParser, positive_int
 from .schedules.ir import Schedule, ScheduleError
 
 if TYPE_CHECKING:
@@ -60,11 +61,13 @@ def parse(argv: Sequence[str], world_size: int) -> argparse.Namespace:
     from .megatron import training_support
 
     training_support.register_arguments(eplb_training.add_arguments, eplb_training.validate)
-    parser = argparse.ArgumentParser(prog="launch_plan: pretraining arguments", allow_abbrev=False)
+    parser = CliParser(prog="pretraining arguments", allow_abbrev=False)  # a bad flag: one error line
     args = training_support.add_arguments(add_megatron_arguments(parser)).parse_args(list(argv))
     args.world_size, args.rank = world_size, 0
     model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                       * args.context_parallel_size)
+    if world_size % model_parallel:
+        raise Refused(f"{world_size} GPUs do not divide into TP x PP x CP = {model_parallel}")
     args.data_parallel_size = world_size // model_parallel  # Megatron's validate_args sets the same
     return args
 
@@ -80,7 +83,7 @@ def check(args: argparse.Namespace) -> Checked:
     with contextlib.redirect_stdout(printed):  # Megatron prints every argument
         try:
             pre_validate(args)
-        except ValueError as exc:
+        except (ValueError, ScheduleError) as exc:  # ScheduleError: --dualpipe-layout auto's search
             raise Refused(str(exc)) from None
         if validated:
             try:
@@ -185,15 +188,14 @@ def report(checked: Checked, gpus_per_node: int = 8) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dualpipe_megatron.launch_plan",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, required=True, help="GPUs of the job (all nodes)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (the projection's network)")
+                                     description="The plan of a DualPipe(V) job, checked before any GPU is used.")
+    parser.add_argument("--world-size", type=positive_int, required=True, help="GPUs of the job (all nodes)")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8,
+                        help="GPUs per node (the projection's network model; default 8)")
     parser.add_argument("pretrain_args", nargs=argparse.REMAINDER,
                         help="-- then scripts/pretrain_gpt.py's arguments")
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
     rest = ns.pretrain_args[1:] if ns.pretrain_args[:1] == ["--"] else ns.pretrain_args
-    if ns.world_size < 1 or ns.gpus_per_node < 1:
-        parser.error("--world-size and --gpus-per-node must be positive")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Megatron's import warns about every GPU library it lacks
@@ -201,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Refused as exc:
         print(f"refused: {exc}", file=sys.stderr)
         return 1
+    except ScheduleError as exc:  # the pretraining arguments do not parse
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print("\n".join(lines))
     return 0
 
