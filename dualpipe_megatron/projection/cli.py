@@ -1,4 +1,4 @@
-"""``python -m dualpipe_megatron.projection``: measure op costs, project a DeepSeek-V3-like job.
+"""``python -m dualpipe_megatron.projection``: measure or calibrate op costs, project a DeepSeek-V3-like job.
 
 Bad input ends with one ``error:`` line and exit status 2, never a traceback.
 """
@@ -16,14 +16,20 @@ import torch
 from ..schedules.cli import CliParser, positive_int, run_command
 from ..schedules.ir import ScheduleError
 from ..schedules.simulate import StageCosts
+from ..trace.profile import read_profiles
+from ..trace.records import TraceError
+from .calibrate import calibrate
 from .comm import Network
-from .costs import DEFAULT_TFLOPS, StageTimes, stage_times
+from .costs import DEFAULT_TFLOPS, StageTimes, overlapped_fb, stage_times
 from .count import ChunkCount, count_chunk
 from .measure import OpCosts, measure
 from .placement import FromFile, ModelSpec, Placement, Realistic, Uniform
 from .project import project, variants
 from .report import assumptions_text, inputs_text, json_doc, markdown, rows
 from .shapes import DEEPSEEK_V3, PRESETS, LayerShape, ProjectionError
+
+
+DEFAULT_OVERLAP_LOSS = 0.1  # assumed when nothing measured it
 
 
 def _number(text: str) -> float:
@@ -69,6 +75,33 @@ def cmd_measure(args: argparse.Namespace) -> None:
           f"wrote {args.output}")
 
 
+def _shape(args: argparse.Namespace, base: LayerShape) -> LayerShape:
+    """``base`` with the job flags given (``--ep``, ``--seq``, ``--mbs``, ``--hidden``, ``--topk``)."""
+    return replace(base, **{k: getattr(args, k) for k in ("ep", "seq", "mbs", "hidden", "topk")
+                            if getattr(args, k) is not None})
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    shape = _shape(args, DEEPSEEK_V3 if args.preset == "deepseek-v3" else PRESETS[args.preset])
+    costs = calibrate(read_profiles(args.traces), shape, args.layers_per_chunk)
+    _write_json(args.output, costs.to_json_obj())
+    ms, comm, info = costs.ms, costs.comm_ms or {}, costs.info
+    print(f"{costs.device}, {info['ranks']} rank(s), {info['naming']}; per layer, ms: "
+          + ", ".join(f"{op} {v:.2f}" for op, v in ms.items())
+          + (f"; all-to-all forward {comm['forward']:.2f}, backward {comm['backward']:.2f}" if comm else "")
+          + ("" if costs.exposed_share is None else f"; exposed share of a pair {costs.exposed_share:.4f}"))
+    pair = info["pair_measured_ms"]
+    if pair:
+        layers = info["pair_layers"] / info["pairs"]
+        comm_ms = layers * sum(comm.values())
+        got = overlapped_fb(layers * ms["F_then_B"], comm_ms, costs.exposed_share or 0.0)
+        busy = pair["compute"] + pair["exposed_communication"]
+        print(f"F&B pair of {layers:g} layers: projected from these costs {got:.1f} ms; measured "
+              f"{busy:.1f} ms busy (compute + exposed communication), {pair['window']:.1f} ms window "
+              f"({got / pair['window'] - 1:+.1%})")
+    print(f"wrote {args.output} (shape: {args.preset} with the flags given, one layer)")
+
+
 def _read_json(path: str) -> object:
     try:
         return json.loads(Path(path).read_text())
@@ -111,16 +144,19 @@ def _placement(args: argparse.Namespace, target: LayerShape, times: StageTimes,
 
 
 def cmd_project(args: argparse.Namespace) -> None:
-    target = replace(DEEPSEEK_V3, ep=args.ep, layers=args.layers_per_rank, seq=args.seq,
-                     mbs=args.mbs, hidden=args.hidden, topk=args.topk)
+    target = replace(_shape(args, DEEPSEEK_V3), layers=args.layers_per_rank)
     net = Network(**{f.name: getattr(args, f.name) for f in fields(Network)})
     measured = _load(args.op_costs) if args.op_costs else None
+    if args.overlap_loss is None:  # the file's measured share, else the assumed default
+        found = measured.exposed_share if measured else None
+        args.overlap_loss = DEFAULT_OVERLAP_LOSS if found is None else found
     chunk = count_chunk(target)
     times = stage_times(target, chunk, measured, args.tflops, net)
     placement, described = _placement(args, target, times, chunk)
     realistic = isinstance(placement, Realistic)
     table = rows(project(placement, args.ranks, args.microbatches,
-                         variants(args.chunks, auto_layout=realistic)), chunk)
+                         variants(args.chunks, auto_layout=realistic)), chunk,
+                 args.microbatches * target.tokens / args.ranks)
     print(inputs_text(target, times, net, args.ranks, args.microbatches, args.chunks,
                       args.overlap_loss, described))
     print()
@@ -155,8 +191,23 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="op-cost JSON to write")
     p.set_defaults(func=cmd_measure)
 
+    p = sub.add_parser("calibrate", help="op costs from a GPU profiler trace (ours or DeepSeek's)")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="PyTorch-profiler Chrome traces (.json, .json.gz, or directories of them)")
+    p.add_argument("--layers-per-chunk", type=positive_int, default=None,
+                   help="layers per pipeline stage of the traced run: needed for our dualpipe "
+                        "op ranges (each holds one chunk); DeepSeek's sub-layer ranges count them")
+    p.add_argument("--preset", choices=["deepseek-v3", *sorted(PRESETS)], default="deepseek-v3",
+                   help="the traced layer's shape (default deepseek-v3; the trace does not say it)")
+    for flag in ("ep", "seq", "mbs", "hidden", "topk"):
+        p.add_argument("--" + flag, type=positive_int, default=None, help="override the preset's")
+    p.add_argument("-o", "--output", required=True, help="op-cost JSON to write")
+    p.set_defaults(func=cmd_calibrate)
+
     p = sub.add_parser("project", help="table of step time and bubble per schedule")
-    p.add_argument("--op-costs", help="JSON from `measure`; default: built-in FLOP-based costs")
+    p.add_argument("--op-costs", help="JSON from `measure` or `calibrate`; its measured all-to-all "
+                                      "and exposed share replace the network model and "
+                                      "--overlap-loss's default; default: built-in FLOP-based costs")
     p.add_argument("--tflops", type=_positive_number, default=None,
                    help=f"built-in costs: achieved TFLOP/s (default {DEFAULT_TFLOPS:g}); with "
                         "--op-costs: rescale so F runs at this rate, keeping measured ratios")
@@ -166,13 +217,15 @@ def make_parser() -> argparse.ArgumentParser:
                      help="micro-batches per step, all schedules (DualPipe: half per direction)")
     job.add_argument("--chunks", type=_chunks, default=(2, 4),
                      help="interleaved chunks per rank, one row pair each (default 2,4)")
-    job.add_argument("--ep", type=positive_int, default=DEEPSEEK_V3.ep, help="expert parallel")
+    job.add_argument("--ep", type=positive_int, default=None,
+                     help=f"expert parallel (default {DEEPSEEK_V3.ep})")
     job.add_argument("--layers-per-rank", type=positive_int, default=DEEPSEEK_V3.layers,
                      help="MoE layers in 1/P of the model")
-    job.add_argument("--seq", type=positive_int, default=DEEPSEEK_V3.seq)
-    job.add_argument("--mbs", type=positive_int, default=DEEPSEEK_V3.mbs, help="micro-batch size")
-    job.add_argument("--hidden", type=positive_int, default=DEEPSEEK_V3.hidden)
-    job.add_argument("--topk", type=positive_int, default=DEEPSEEK_V3.topk)
+    job.add_argument("--seq", type=positive_int, default=None, help=f"default {DEEPSEEK_V3.seq}")
+    job.add_argument("--mbs", type=positive_int, default=None,
+                     help=f"micro-batch size (default {DEEPSEEK_V3.mbs})")
+    job.add_argument("--hidden", type=positive_int, default=None, help=f"default {DEEPSEEK_V3.hidden}")
+    job.add_argument("--topk", type=positive_int, default=None, help=f"default {DEEPSEEK_V3.topk}")
     place = p.add_argument_group("placement of the model's layers")
     place.add_argument("--placement", choices=["uniform", "realistic"], default="uniform",
                        help="uniform (default): every stage an equal share of MoE layers; "
@@ -198,16 +251,17 @@ def make_parser() -> argparse.ArgumentParser:
         kind = positive_int if f.type in (int, "int") else _number
         net.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
                          default=getattr(default, f.name), help=f"default {getattr(default, f.name)}")
-    p.add_argument("--overlap-loss", type=_unit_interval, default=0.1,
+    p.add_argument("--overlap-loss", type=_unit_interval, default=None,
                    help="share of the shorter of compute and all-to-all left exposed in an F&B "
-                        "pair (0: perfect overlap, 1: none; default 0.1)")
+                        "pair (0: perfect overlap, 1: none; default: the op-cost file's measured "
+                        f"exposed share, else {DEFAULT_OVERLAP_LOSS})")
     p.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
     p.set_defaults(func=cmd_project)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(make_parser(), argv, (ProjectionError, ScheduleError))
+    return run_command(make_parser(), argv, (ProjectionError, ScheduleError, TraceError))
 
 
 if __name__ == "__main__":

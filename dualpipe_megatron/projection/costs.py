@@ -14,6 +14,13 @@ all-to-all then enters the simulator's constant op costs as follows:
   rule): the deferred W is assumed not needed to hide the pair's all-to-all.
 - p2p is the simulator's latency ``c`` on every cross-rank dependency; it
   occupies no compute (sends are asynchronous).
+
+Measured all-to-all (an op-cost file with ``comm_ms``, from ``calibrate``) replaces
+the network model's, scaled to the target by the network model's own ratio
+``a2a_ms(target) / a2a_ms(measured shape)`` under the same links: payload bytes
+(tokens x hidden, the copies top-k and the node limit make) and, where EP differs,
+how the split between inter-node and NVLink traffic changes. The link speeds
+themselves cancel out, so a measured figure keeps its effective bandwidth.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class StageTimes:
     a2a_bwd: float
     p2p: float
     source: str  # where the compute numbers come from
+    comm_source: str = "network model"  # where the all-to-all comes from
 
     @property
     def a2a(self) -> float:
@@ -75,13 +83,23 @@ def compute_ms(target: ChunkCount, measured: OpCosts | None,
     return ms, label
 
 
+def a2a_stage_ms(target: LayerShape, measured: OpCosts | None, net: Network) -> tuple[float, float, str]:
+    """All-to-all ms of one stage, forward and backward, and where it comes from."""
+    model = a2a_ms(target, net)
+    if measured is None or measured.comm_ms is None:
+        return model, model, "network model"
+    scale = model / a2a_ms(measured.shape, net)
+    return (measured.comm_ms["forward"] * scale, measured.comm_ms["backward"] * scale,
+            f"measured on {measured.device}, scaled by the network model's ratio x{scale:.3g}")
+
+
 def stage_times(target: LayerShape, count: ChunkCount, measured: OpCosts | None,
                 tflops: float | None, net: Network) -> StageTimes:
     """Compute and communication ms of one stage (``target.layers`` layers) of the job."""
     ms, label = compute_ms(count, measured, tflops)
-    a2a = a2a_ms(target, net)
-    return StageTimes(F=ms["F"], B=ms["B"], W=ms["W"], FB=ms["FB"], a2a_fwd=a2a,
-                      a2a_bwd=a2a, p2p=p2p_ms(target, net), source=label)
+    fwd, bwd, comm = a2a_stage_ms(target, measured, net)
+    return StageTimes(F=ms["F"], B=ms["B"], W=ms["W"], FB=ms["FB"], a2a_fwd=fwd,
+                      a2a_bwd=bwd, p2p=p2p_ms(target, net), source=label, comm_source=comm)
 
 
 def overlapped_fb(compute: float, comm: float, loss: float) -> float:
@@ -116,5 +134,5 @@ def exposed_a2a(op: Op, t: StageTimes, loss: float) -> float:
     return overlapped_fb(t.FB, t.a2a, loss) - t.FB
 
 
-__all__ = ["DEFAULT_TFLOPS", "StageTimes", "compute_ms", "exposed_a2a", "overlapped_fb",
+__all__ = ["DEFAULT_TFLOPS", "StageTimes", "a2a_stage_ms", "compute_ms", "exposed_a2a", "overlapped_fb",
            "schedule_costs", "stage_times"]

@@ -25,13 +25,23 @@ from .layer import build_chunk, chunk_input
 from .shapes import LayerShape, ProjectionError
 
 OPS = ("F", "B", "B_input", "W", "F_then_B")
-FORMAT = "dualpipe-op-costs/1"
+FORMAT = "dualpipe-op-costs/2"
+READS = (FORMAT, "dualpipe-op-costs/1")  # /1: the same without measured communication
+DIRECTIONS = ("forward", "backward")
 _KEY = "measure"
 
 
 @dataclass(frozen=True)
 class OpCosts:
-    """Median ms per op of one micro-batch through a chunk of ``shape``, measured on ``device``."""
+    """ms per op of one micro-batch through a chunk of ``shape``, measured on ``device``.
+
+    ``ms`` is compute only. ``comm_ms`` (None when not measured, as by :func:`measure`)
+    is the measured MoE all-to-all of the same micro-batch and chunk per direction:
+    dispatch + combine going ``forward``, their grads going ``backward``.
+    ``exposed_share`` (None when not measured) is the communication an overlapped F&B
+    pair left exposed, as a share of the shorter of its compute and its communication:
+    the projection's ``--overlap-loss``.
+    """
 
     shape: LayerShape
     ms: dict[str, float]
@@ -39,17 +49,20 @@ class OpCosts:
     device: str
     dtype: str
     info: dict[str, Any] = field(default_factory=dict)
+    comm_ms: dict[str, float] | None = None
+    exposed_share: float | None = None
 
     def to_json_obj(self) -> dict[str, Any]:
         return {"format": FORMAT, "device": self.device, "dtype": self.dtype,
-                "shape": self.shape.to_json_obj(), "ms": self.ms,
+                "shape": self.shape.to_json_obj(), "ms": self.ms, "comm_ms": self.comm_ms,
+                "exposed_share": self.exposed_share,
                 "flops": {k: getattr(self.flops, k) for k in ("F", "B", "B_input", "W")},
                 "info": self.info}
 
     @classmethod
     def from_json_obj(cls, obj: Any) -> "OpCosts":
         """Parse an op-cost file; the FLOPs are recounted from its shape, not trusted."""
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        if not isinstance(obj, dict) or obj.get("format") not in READS:
             raise ProjectionError(f"not an op-cost file (want format {FORMAT!r})")
         shape = LayerShape.from_json_obj(obj.get("shape"))
         try:
@@ -62,7 +75,28 @@ class OpCosts:
         if ms["W"] >= ms["B"]:
             raise ProjectionError(f"op-cost file: W ({ms['W']}) must be less than B ({ms['B']})")
         return cls(shape, ms, count_chunk(shape), str(obj.get("device", "?")),
-                   str(obj.get("dtype", "?")), dict(obj.get("info") or {}))
+                   str(obj.get("dtype", "?")), dict(obj.get("info") or {}),
+                   _comm(obj.get("comm_ms")), _share(obj.get("exposed_share")))
+
+
+def _comm(value: Any) -> dict[str, float] | None:
+    if value is None:
+        return None
+    try:
+        comm = {d: float(value[d]) for d in DIRECTIONS}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProjectionError(f"op-cost file: comm_ms needs forward and backward ms ({exc!r})") from None
+    if not all(v >= 0 for v in comm.values()):
+        raise ProjectionError(f"op-cost file: comm_ms must be >= 0, got {comm}")
+    return comm
+
+
+def _share(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ProjectionError(f"op-cost file: exposed_share must be a number within [0, 1], got {value!r}")
+    return float(value)
 
 
 def _clock(device: torch.device) -> tuple[str, Callable[[], float]]:
@@ -134,4 +168,4 @@ def measure(shape: LayerShape, device: str = "auto", dtype: str = "auto",
     return OpCosts(shape, ms, count_chunk(shape), name, dtype, info)
 
 
-__all__ = ["FORMAT", "OPS", "OpCosts", "measure"]
+__all__ = ["DIRECTIONS", "FORMAT", "OPS", "OpCosts", "READS", "measure"]

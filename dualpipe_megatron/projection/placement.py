@@ -21,7 +21,7 @@ layers), so the columns stay comparable across placements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Protocol
 
@@ -137,40 +137,75 @@ def megatron_counts(num_layers: int, stages: int) -> list[int]:
     return counts
 
 
+@dataclass(frozen=True)
+class PairCosts(StageCosts):
+    """Stage costs whose F&B pairs are timed pair by pair, with each stage's all-to-all known.
+
+    A stage's ``F`` and ``B`` include its all-to-all (``comm``: the F's, the B's). A pair
+    of F on stage f and B on stage b computes ``C = fb_ratio * (compute of F_f + B_b)``
+    (less ``W_b`` when its weight grad is deferred) while ``A`` = the two all-to-alls
+    run beside it, and costs ``max(C, A) + loss * min(C, A)``: whichever is longer, plus
+    ``loss`` of the shorter. ``Fo``/``Bo`` = ``(fb_ratio - loss) x`` the stage's all-to-all
+    make the simulator's linear rule equal to this wherever ``C >= A``; the layout
+    search and the op-order optimizer use that linear rule, every simulated step this one.
+    """
+
+    comm: dict[tuple[int, int], tuple[Fraction, Fraction]] = field(default_factory=dict)
+    loss: Fraction = Fraction(0)
+
+    def pair(self, op: FB) -> tuple[Fraction, Fraction]:
+        """(compute, all-to-all) of one pair."""
+        f, b = (op.f.key.d, op.f.key.s), (op.b.key.d, op.b.key.s)
+        af, ab = self.comm[f][0], self.comm[b][1]
+        cf, cb = self.stages[f], self.stages[b]
+        compute = self.fb_ratio * (cf.F - af + cb.B - ab) - (0 if op.b.w else cb.W)
+        return compute, af + ab
+
+    def duration(self, op: Op) -> Fraction:
+        if not isinstance(op, FB):
+            return super().duration(op)
+        compute, comm = self.pair(op)
+        return max(compute, comm) + self.loss * min(compute, comm)
+
+    def exposed(self, op: Op) -> float:
+        """ms of all-to-all the op leaves on its rank's critical path."""
+        if isinstance(op, FB):
+            return float(self.duration(op) - self.pair(op)[0])
+        if isinstance(op, W):
+            return 0.0
+        return float(self.comm[(op.key.d, op.key.s)][0 if isinstance(op, F) else 1])
+
+
 class Realistic:
     """The whole model placed layer by layer (see the module docstring)."""
 
     def __init__(self, spec: ModelSpec, target: LayerShape, times: StageTimes, chunk: ChunkCount,
                  loss: float, ranks: int, microbatches: int) -> None:
-        self.spec, self.ranks, self.microbatches, self.loss = spec, ranks, microbatches, loss
+        self.spec, self.ranks, self.microbatches = spec, ranks, microbatches
         model = spec.shape(target)
         flops = LayerCosts.from_shape(model)
         moe = model.decoder(True)
         per = target.layers
-        compute_ratio = times.FB / (times.F + times.B)  # an F-then-B pair's compute / lone compute
-        hide = compute_ratio - loss
-        if hide < 0:
-            raise ProjectionError(f"overlap loss {loss} exceeds the F&B compute ratio {compute_ratio:.3f}")
-        a2a = times.a2a_fwd / per  # one way, one MoE layer (a2a_bwd is the same)
+        # An F-then-B pair's compute / lone compute (a second stream overlaps W): the pair rule's
+        # fb_ratio, to 4 digits so the layout search's integer timer stays small.
+        self.fb_ratio = Fraction(round(times.FB / (times.F + times.B) * 10000), 10000)
+        self.loss = microseconds(loss)
+        hide = self.fb_ratio - self.loss
+        a2a = (times.a2a_fwd / per, times.a2a_bwd / per)  # one MoE layer, each way
         rate = {op: getattr(times, op) / per / float(getattr(moe, op)) for op in ("F", "B", "W")}
-        for op in ("F", "B"):
-            if compute_ratio * getattr(times, op) / per < a2a:
-                raise ProjectionError(
-                    "the realistic placement's pair rule (compute hides all-to-all) needs a MoE "
-                    f"layer's {op} compute to exceed its all-to-all; use --placement uniform")
 
-        def ms(c: StageCost, comm: float) -> StageCost:
-            return StageCost(microseconds(float(c.F) * rate["F"] + comm),
-                             microseconds(float(c.B) * rate["B"] + comm),
-                             microseconds(float(c.W) * rate["W"]),
-                             microseconds(hide * comm), microseconds(hide * comm))
+        def ms(c: StageCost, comm: bool) -> StageCost:
+            af, ab = (microseconds(a) if comm else Fraction(0) for a in a2a)
+            return StageCost(microseconds(float(c.F) * rate["F"]) + af,
+                             microseconds(float(c.B) * rate["B"]) + ab,
+                             microseconds(float(c.W) * rate["W"]), hide * af, hide * ab)
 
         moe_layers = model.moe_layers()
-        self.a2a = a2a
-        self.layers = LayerCosts(ms(flops.embedding, 0),
-                                 tuple(ms(c, a2a if m else 0) for c, m in zip(flops.decoder, moe_layers)),
-                                 ms(flops.loss, 0),
-                                 tuple(ms(c, a2a if moe_layers[-1] else 0) for c in flops.mtp))
+        self.a2a = tuple(microseconds(a) for a in a2a)
+        self.layers = LayerCosts(ms(flops.embedding, False),
+                                 tuple(ms(c, m) for c, m in zip(flops.decoder, moe_layers)),
+                                 ms(flops.loss, False),
+                                 tuple(ms(c, moe_layers[-1]) for c in flops.mtp))
         self.moe_layers = moe_layers
         self.mtp_moe = moe_layers[-1]
         layer = Fraction(1, per)  # one transformer layer, in 1/P stages (activations and params)
@@ -182,30 +217,23 @@ class Realistic:
     def counts(self, sched: Schedule, auto_layout: bool) -> list[int]:
         if not auto_layout:
             return megatron_counts(self.spec.num_layers, sched.stages)
-        return list(best_counts(sched, self.layers, Fraction(1), self.p2p))
+        return list(best_counts(sched, self.layers, self.fb_ratio, self.p2p))
 
     def plan(self, sched: Schedule, overlap: bool, auto_layout: bool) -> Plan:
         counts = self.counts(sched, auto_layout)
-        costs = stage_costs_for(sched, self.layers, counts, 1, self.p2p)
-        if not overlap:  # a pair hides no all-to-all (schedules with F&B pairs and no overlap: none)
-            costs = StageCosts({k: StageCost(v.F, v.B, v.W) for k, v in costs.stages.items()},
-                               costs.fb_ratio, costs.c)
+        linear = stage_costs_for(sched, self.layers, counts, self.fb_ratio, self.p2p)
         last = len(counts) - 1
         act, params, comm = {}, {}, {}
         for d, s in sched.placement:
             start = sum(counts[:s])
             moe = sum(self.moe_layers[start:start + counts[s]])
+            moe += self.spec.mtp_layers * self.mtp_moe if s == last else 0
             layers = counts[s] + (self.spec.mtp_layers if s == last else 0)
             act[(d, s)] = layers * self.layer_unit + (self.logits * (1 + self.spec.mtp_layers) if s == last else 0)
             params[(d, s)] = layers * self.layer_unit + self.table * ((s == 0) + (s == last))
-            comm[(d, s)] = (moe + (self.spec.mtp_layers * self.mtp_moe if s == last else 0)) * self.a2a
-
-        def exposed(op: Op) -> float:
-            if isinstance(op, FB):
-                return self.loss * (comm[(op.f.key.d, op.f.key.s)] + comm[(op.b.key.d, op.b.key.s)])
-            return 0.0 if isinstance(op, W) else comm[(op.key.d, op.key.s)]
-
-        return Plan(costs, act, params, exposed, layout_string(counts, self.spec.mtp_layers))
+            comm[(d, s)] = (moe * self.a2a[0], moe * self.a2a[1])
+        costs = PairCosts(linear.stages, linear.fb_ratio, linear.c, comm, self.loss if overlap else Fraction(1))
+        return Plan(costs, act, params, costs.exposed, layout_string(counts, self.spec.mtp_layers))
 
 
 def weighted_peak(ops: list[Op], weight: dict[tuple[int, int], Fraction]) -> Fraction:
@@ -222,5 +250,5 @@ def weighted_peak(ops: list[Op], weight: dict[tuple[int, int], Fraction]) -> Fra
     return peak
 
 
-__all__ = ["FromFile", "ModelSpec", "Placement", "Plan", "Realistic", "Uniform", "megatron_counts",
+__all__ = ["FromFile", "ModelSpec", "PairCosts", "Placement", "Plan", "Realistic", "Uniform", "megatron_counts",
            "weighted_peak"]

@@ -16,7 +16,8 @@ from .shapes import LayerShape
 GIB = 2**30
 
 ASSUMPTIONS = [
-    "Compute: per-op costs of a chunk are measured single-process (no communication) and "
+    "Compute: per-op costs of a chunk are measured (`measure`: single-process, no "
+    "communication; `calibrate`: compute kernels of a GPU profile) and "
     "scaled to the target shape by each op's FLOP ratio, i.e. the same achieved FLOP/s at "
     "both shapes; FLOPs count matrix products and attention only, causal attention as full.",
     "The measured layer is plain torch shaped like DeepSeek-V3's (MLA + MoE, 256 experts "
@@ -27,7 +28,9 @@ ASSUMPTIONS = [
     "network once per remote node it routes to (at most nodes_per_token of the EP group's "
     "nodes, uniform) and NVLink for each of its top-k copies not on its landing GPU; the two "
     "links overlap, payloads are in the activation dtype (DeepSeek-V3's FP8 dispatch is not "
-    "modelled).",
+    "modelled). An op-cost file with measured all-to-all (calibrate) replaces this model; the "
+    "model then only scales the measured ms to the target shape (its own ratio target / "
+    "measured, so the link speeds cancel).",
     "Lone F and B pay their all-to-all in full; an F&B pair (DualPipe, DualPipeV, Megatron's "
     "combined 1F1B) costs max(compute, a2a) + loss x min(compute, a2a); W moves nothing.",
     "interleaved+a2a is Megatron's --overlap-moe-expert-parallel-comm order: one extra "
@@ -36,8 +39,11 @@ ASSUMPTIONS = [
     "delaying the consumer only (asynchronous sends); every stage boundary between ranks is "
     "inter-node.",
     "Bubble = step time minus a rank's op time; exposed all-to-all counts as op time, so "
-    "compare step times for its effect. Activations: saved tensors of our layer (flash-style "
-    "attention, no recompute); params: one EP rank's share of the layers, no embeddings, "
+    "compare step times for its effect. tokens/s/GPU = M micro-batches' tokens / P / step: "
+    "no optimizer step, no data-parallel gradient reduction, no batch-size ramp, balanced "
+    "routing. Activations: saved tensors of our layer in bf16 (flash-style attention); "
+    "activation recompute and FP8 activation caches (DeepSeek-V3 uses both) are left out, so "
+    "the figure is an upper bound; params: one EP rank's share of the layers, no embeddings, "
     "no optimizer state.",
 ]
 
@@ -45,9 +51,10 @@ REALISTIC = [
     "Realistic placement: the whole model layer by layer; each layer's F, B and W are one MoE "
     "layer's projected compute scaled by the FLOP ratio to a MoE layer (schedules/layout.py's "
     "FLOP model: dense layers, MLA, output layer + loss, MTP); all-to-all only on MoE layers "
-    "(MTP's layer included). An F&B pair costs its compute times the measured F-then-B ratio "
-    "plus overlap loss x its all-to-all (exact while compute exceeds the all-to-all, checked "
-    "per MoE layer).",
+    "(MTP's layer included). Each F&B pair is judged on its own: its compute C (its stages' "
+    "compute times the measured F-then-B ratio) and its all-to-all A cost max(C, A) + overlap "
+    "loss x min(C, A); the layout search and the op-order optimizer use the linear form "
+    "C + loss x A, exact for every pair whose compute exceeds its all-to-all.",
     "Layouts: Megatron's schedules (1f1b, interleaved, zb1p) and zbv, chimera, plain "
     "dualpipe(v) split as --account-for-embedding-in-pipeline-split "
     "--account-for-loss-in-pipeline-split does (embedding and loss one layer each; when the "
@@ -63,8 +70,10 @@ def _ms(value: float) -> str:
     return f"{value:,.1f}"
 
 
-def rows(results: list[Projection | ScheduleError], chunk: ChunkCount) -> list[dict[str, Any]]:
-    """Figures per schedule; ``chunk`` is one 1/P stage of the target model."""
+def rows(results: list[Projection | ScheduleError], chunk: ChunkCount,
+         tokens_per_gpu: float) -> list[dict[str, Any]]:
+    """Figures per schedule; ``chunk`` is one 1/P stage of the target model, ``tokens_per_gpu``
+    the tokens one step trains per pipeline GPU (M micro-batches' tokens / P)."""
     base = next((r.result.makespan for r in results
                  if isinstance(r, Projection) and r.variant.label == "1f1b"), None)
     out: list[dict[str, Any]] = []
@@ -78,6 +87,7 @@ def rows(results: list[Projection | ScheduleError], chunk: ChunkCount) -> list[d
             "schedule": r.variant.label,
             "stages": res.schedule.stages,
             "step_ms": float(res.makespan),
+            "tokens_per_s_per_gpu": tokens_per_gpu / (float(res.makespan) / 1e3),
             "vs_1f1b": float(res.makespan / base) if base else None,
             "bubble_ratio": float(res.bubble_ratio),
             "max_bubble_ms": float(res.max_bubble),
@@ -91,9 +101,9 @@ def rows(results: list[Projection | ScheduleError], chunk: ChunkCount) -> list[d
 
 
 def markdown(table: list[dict[str, Any]]) -> str:
-    header = ["schedule", "stages", "step (ms)", "vs 1F1B", "bubble ratio", "max bubble (ms)",
-              "exposed A2A (ms)", "peak act. (1/P stages)", "peak act. (GiB)",
-              "params/rank (B)"]
+    header = ["schedule", "stages", "step (ms)", "tokens/s/GPU", "vs 1F1B", "bubble ratio",
+              "max bubble (ms)", "exposed A2A (ms)", "peak act. (1/P stages)",
+              "peak act. (GiB, no recompute, bf16)", "params/rank (B)"]
     lines = []
     for row in table:
         if row["schedule"] is None:
@@ -101,6 +111,7 @@ def markdown(table: list[dict[str, Any]]) -> str:
             continue
         lines.append([
             row["schedule"], str(row["stages"]), _ms(row["step_ms"]),
+            f"{row['tokens_per_s_per_gpu']:,.0f}",
             f"{row['vs_1f1b']:.3f}" if row["vs_1f1b"] else "-",
             f"{row['bubble_ratio']:.3f}", _ms(row["max_bubble_ms"]),
             "-" if row["exposed_a2a_ms"] is None else _ms(row["exposed_a2a_ms"]),
@@ -126,7 +137,8 @@ def inputs_text(target: LayerShape, times: StageTimes, net: Network, ranks: int,
         f"Compute per 1/P stage and micro-batch ({times.source}): F {_ms(times.F)} ms, "
         f"B {_ms(times.B)} ms, W {_ms(times.W)} ms, F-then-B {_ms(times.FB)} ms.",
         f"Communication per 1/P stage and micro-batch: all-to-all {_ms(times.a2a_fwd)} ms "
-        f"forward + {_ms(times.a2a_bwd)} ms backward; p2p {times.p2p:.2f} ms per boundary. "
+        f"forward + {_ms(times.a2a_bwd)} ms backward ({times.comm_source}); p2p "
+        f"{times.p2p:.2f} ms per boundary. "
         f"Links: inter-node {net.ib_gbps:g} GB/s, NVLink {net.nvlink_gbps:g} GB/s, p2p "
         f"{net.p2p_gbps:g} GB/s + {net.p2p_latency_ms:g} ms, {net.gpus_per_node} GPUs/node, "
         f"tokens to <= {net.nodes_per_token} nodes, {net.dtype_bytes}-byte payloads; "
