@@ -16,6 +16,11 @@
 #                  on cuda:0, 3 iterations, mock data, local transformer implementation
 #   megatron_eplb  the same script, an MoE GPT at EP=2 with --eplb-interval 1 and 2 redundant
 #                  experts: slots re-placed, replicas checked bitwise against owners every step
+#   profile_pp2, profile_eplb
+#                  both Megatron sections run Megatron's PyTorch profiler over iteration 2
+#                  (--profile --use-pytorch-profiler); `python -m dualpipe_megatron.trace profile`
+#                  reads each rank's trace: compute, communication hidden and exposed, GPU time per
+#                  op; traces, reports and figures go into one archive, profile.tar.gz
 # The three two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU); with
 # --cpu-dry-run they run on CPU with gloo instead. Every launched command has a hard timeout, so
 # a hang is a FAIL. Logs and results go to ${OUT:-outputs/gpu_check}; the exit status is 0 only
@@ -36,17 +41,21 @@ OUT_DIR=${OUT:-outputs/gpu_check}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 # Seconds; with the index probe (25) and env (~30), about 10 minutes if every launch hangs.
-# At most 7 files land in the output folder (the device tool brings back 8).
+# At most 8 files land in the output folder (the device tool brings back 8): the profile sections'
+# outputs (and the calibration after them) are bundled into profile.tar.gz.
 ENV_TIMEOUT=${ENV_TIMEOUT:-90}
 OP_COSTS_TIMEOUT=${OP_COSTS_TIMEOUT:-160}
 NCCL_TIMEOUT=${NCCL_TIMEOUT:-110}
 MEGATRON_TIMEOUT=${MEGATRON_TIMEOUT:-150}
+PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-90}
 if [[ "$DRY_RUN" == 1 ]]; then MEGATRON_TIMEOUT=${MEGATRON_DRY_TIMEOUT:-240}; fi
 
 exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
 TEE_PID=$!
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
+PROFILE_DIR="$SCRATCH/profile"  # bundled into $OUT_DIR/profile.tar.gz at the end
+mkdir -p "$PROFILE_DIR"
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -278,6 +287,13 @@ TRAIN=(--train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warm
 # Megatron pins each rank to cuda:LOCAL_RANK; on one GPU both ranks must say 0.
 PIN_GPU0=(--no-python bash -c 'LOCAL_RANK=0 exec "$0" "$@"' "$PY")
 SKIPPED=200
+# profiled SECTION: Megatron's PyTorch profiler over iteration 2 of 3 (iteration 1 is its warm-up);
+# each rank writes $PROFILE_DIR/SECTION/torch_profile/rank-N.json.gz (Megatron puts it next to the
+# --tensorboard-dir; the tensorboard package itself is optional).
+profiled() {
+    echo --profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 3 \
+        --tensorboard-dir "$PROFILE_DIR/$1/tb"
+}
 # pretrain_two_ranks SECTION LOG ARGS...: scripts/pretrain_gpt.py ARGS on two ranks of cuda:0 (gloo
 # on CPU in a dry run) into LOG, setting WHAT; records SKIP and returns $SKIPPED when it cannot run.
 pretrain_two_ranks() {
@@ -297,7 +313,7 @@ pretrain_two_ranks() {
 }
 
 log="$OUT_DIR/megatron_pp2.log"
-pretrain_two_ranks megatron_pp2 "$log" "${MODEL[@]}" "${PARALLEL[@]}"
+pretrain_two_ranks megatron_pp2 "$log" "${MODEL[@]}" "${PARALLEL[@]}" $(profiled megatron_pp2)
 rc=$?
 if [[ $rc != "$SKIPPED" ]]; then
     loss_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: .*mtp_1 loss: " "$log")
@@ -327,7 +343,7 @@ MOE=(--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --
      --eplb-redundant-experts 2)
 log="$SCRATCH/megatron_eplb.log"
 export DUALPIPE_EPLB_CHECK_REPLICAS=1
-pretrain_two_ranks megatron_eplb "$log" "${MODEL[@]}" "${MOE[@]}"
+pretrain_two_ranks megatron_eplb "$log" "${MODEL[@]}" "${MOE[@]}" $(profiled megatron_eplb)
 rc=$?
 unset DUALPIPE_EPLB_CHECK_REPLICAS
 if [[ $rc != "$SKIPPED" ]]; then
@@ -342,6 +358,88 @@ if [[ $rc != "$SKIPPED" ]]; then
         show_tail "$log" 60
         record megatron_eplb FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $metric_lines of 3 lines with eplb_max_mean_load, $moved re-placements that moved experts, $checked of 3 replica checks, $errors tracebacks"
     fi
+fi
+
+# -- profile: the Megatron sections' profiler traces read back ------------------------------------
+header "profile"
+status_of() {  # status_of SECTION: its recorded PASS/FAIL/SKIP, or nothing
+    local i
+    for i in "${!SECTIONS[@]}"; do [[ "${SECTIONS[$i]}" == "$1" ]] && echo "${STATUSES[$i]}"; done
+}
+# check_profile JSON SECTION: one line per rank, then "ok" or the problems; fails unless every rank
+# has what this mode gives (GPU: kernels, NCCL communication, and in the dualpipev run GPU time
+# inside our op ranges; CPU dry run: host-side times of our op ranges).
+check_profile() {
+    "$PY" - "$1" "$2" "$DRY_RUN" <<'EOF'
+import json, sys
+path, section, dry = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+problems = []
+for r in json.load(open(path))["ranks"]:
+    ours = [p for n, p in r["phases"].items() if n.startswith("dualpipe ")]
+    if dry:
+        print(f"rank {r['rank']}: CPU trace, host window {r['window_ms']:.1f} ms, {len(ours)} dualpipe op ranges")
+        if r["gpu"]:
+            problems.append(f"rank {r['rank']}: GPU events in a CPU run")
+    else:
+        print(f"rank {r['rank']}: window {r['window_ms']:.2f} ms, compute {r['compute_ms']:.2f} ms, "
+              f"communication {r['communication_ms']:.2f} ms (exposed {r['exposed_communication_ms']:.2f} ms), "
+              f"{r['gpu_events']} GPU events ({r['unlinked_events']} unlinked), streams "
+              + ", ".join(f"{s['id']} {s['kind']} {s['busy_ms']:.2f} ms" for s in r["streams"]))
+        if not r["gpu"]:
+            problems.append(f"rank {r['rank']}: no GPU events in the trace")
+        elif r["communication_ms"] <= 0:
+            problems.append(f"rank {r['rank']}: no kernel recognised as communication (NCCL)")
+        if section == "megatron_pp2" and sum(p["compute_ms"] for p in ours) <= 0:
+            problems.append(f"rank {r['rank']}: no GPU compute inside the dualpipe op ranges")
+    if section == "megatron_pp2" and not ours:
+        problems.append(f"rank {r['rank']}: no dualpipe op ranges")
+print("; ".join(problems) or "ok")
+sys.exit(1 if problems else 0)
+EOF
+}
+for section in megatron_pp2 megatron_eplb; do
+    name="profile_${section#megatron_}"
+    traces="$PROFILE_DIR/$section/torch_profile"
+    ran=$(status_of "$section")
+    if ! compgen -G "$traces/rank-*.json.gz" >/dev/null; then
+        if [[ -z "$ran" || "$ran" == SKIP ]]; then record "$name" SKIP "$section did not run"
+        else record "$name" FAIL "$section ran ($ran) but wrote no profiler trace in $traces"; fi
+        continue
+    fi
+    log="$PROFILE_DIR/$section.txt"
+    figure=(--figure "$PROFILE_DIR/$section.png")
+    if [[ "$DRY_RUN" == 1 ]]; then figure=(); fi  # a CPU trace has no GPU streams to draw
+    if run_limited "$PROFILE_TIMEOUT" "$log" "$PY" -m dualpipe_megatron.trace profile "$traces" \
+            --json "$PROFILE_DIR/$section.json" "${figure[@]}"; then
+        summary=$(check_profile "$PROFILE_DIR/$section.json" "$section")
+        rc=$?
+        echo "$summary"
+        if [[ $rc == 0 ]]; then
+            record "$name" PASS "$(ls "$traces" | wc -l) rank traces of $section read: $(echo "$summary" | head -n 1)"
+        else
+            show_tail "$log"
+            record "$name" FAIL "trace profile of $section: $(echo "$summary" | tail -n 1)"
+        fi
+    else
+        rc=$?; show_tail "$log"
+        record "$name" FAIL "trace profile of $section: $(why_failed $rc "$PROFILE_TIMEOUT")"
+    fi
+done
+
+# -- projection calibrate: RESERVED for the projection helper (issue 24, item 5) ------------------
+# The profiler traces are in $PROFILE_DIR/megatron_pp2/torch_profile/ and
+# $PROFILE_DIR/megatron_eplb/torch_profile/ (rank-N.json.gz). Write outputs into $PROFILE_DIR: it
+# is bundled into profile.tar.gz just below (the output folder has no room for more files).
+
+# -- bundle: everything under $PROFILE_DIR but tensorboard folders, in one archive ---------------
+if [[ -n "$(ls -A "$PROFILE_DIR")" ]]; then
+    bundle="$OUT_DIR/profile.tar.gz"
+    tar -czf "$bundle" -C "$PROFILE_DIR" --exclude=tb .
+    if (( $(stat -c %s "$bundle") > 15 * 1024 * 1024 )); then  # the device tool brings back 16 MiB a file
+        tar -czf "$bundle" -C "$PROFILE_DIR" --exclude=tb --exclude='*.json.gz' .
+        echo "profile.tar.gz: the raw traces left out (over 15 MiB with them)"
+    fi
+    echo "profile.tar.gz: $(tar -tzf "$bundle" | grep -cv '/$') files, $(( $(stat -c %s "$bundle") / 1024 )) KiB"
 fi
 
 # -- summary ----------------------------------------------------------------------------------------

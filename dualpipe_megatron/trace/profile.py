@@ -404,7 +404,9 @@ def profile_file(path: str | os.PathLike[str], position: int = 0) -> list[RankPr
     ranges = [e for e in complete if _cat(e) == _RANGE_CAT and not str(e.get("name", "")).startswith(_STEP_RANGE)]
     gpu = [e for e in complete if _cat(e) in _GPU_CATS]
     if not gpu:
-        host = [e for e in complete if _cat(e) not in ("trace",)]
+        host = [e for e in complete if _cat(e) != "trace"]
+        if not host:
+            raise TraceError(f"{p}: no CPU or GPU events, only the profiler's own spans")
         origin = min(float(e["ts"]) for e in host)
         end = max(float(e["ts"]) + float(e["dur"]) for e in host)
         return [RankProfile(p, rank, world, None, False, origin, (end - origin) / _US_PER_MS, 0.0, 0.0, 0.0, 0.0,
