@@ -115,7 +115,7 @@ class ParamCounter:
         return Params(replicated=position) + self._tensor(self.vocab * a.hidden_size)
 
     def output(self) -> Params:
-        """The final norm and, untied, the output layer."""
+        """The final norm and, untied, the output layer (tied, it is the embedding's weight)."""
         table = 0 if not self.a.untie_embeddings_and_output_weights else self.vocab * self.a.hidden_size
         return Params(replicated=self.a.hidden_size * self.norm) + self._tensor(table)
 
@@ -152,18 +152,11 @@ def stage_params(args: argparse.Namespace, layout: DualPipeLayout, shard: bool =
 
 
 def rank_params(args: argparse.Namespace, layout: DualPipeLayout) -> list[Params]:
-    """Parameters each pipeline rank holds: its stages' (a tied output layer sharing the
-    rank's embedding counts once: our ties are local)."""
-    stages = stage_params(args, layout)
-    counter = ParamCounter(args)
-    out = []
-    for rank in range(layout.stage_map.ranks):
-        held = [layout.stage_map.stage(rank, c) for c in range(layout.stage_map.chunks)]
-        total = sum((stages[s] for s in held), Params())
-        if not args.untie_embeddings_and_output_weights and 0 in held and layout.stage_map.num_stages - 1 in held:
-            total = Params(total.replicated, total.tensor - counter.embedding().tensor, total.expert)
-        out.append(total)
-    return out
+    """Parameters each pipeline rank holds: its stages'. A tied output layer adds none: both
+    schedules put it on a rank that holds the embedding (our ties are local)."""
+    stages, stage_map = stage_params(args, layout), layout.stage_map
+    return [sum((stages[stage_map.stage(rank, c)] for c in range(stage_map.chunks)), Params())
+            for rank in range(stage_map.ranks)]
 
 
 def state_bytes(args: argparse.Namespace, params: Params) -> float:

@@ -208,3 +208,32 @@ def test_dry_run_plan_refuses_a_layout_of_the_other_schedule() -> None:
     assert "# command" in result.stdout and "# plan" not in result.stdout
     assert "refused: --pipeline-schedule dualpipe: pipeline layout has 32 stages; this schedule needs 16" \
         in result.stderr
+
+
+def test_parameter_count_matches_megatrons_estimate() -> None:
+    """The plan's parameter count of the template equals Megatron's own estimator's total
+    (``theoretical_memory_usage``, printed to 10 M), once the MTP parts Megatron's leaves out
+    (two norms, the [hidden; embedding] projection, a final norm) are taken off ours."""
+    import contextlib
+    import copy
+    import io
+
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    from dualpipe_megatron import launch_plan
+    from dualpipe_megatron.launch_memory import padded_vocab, stage_params
+
+    result = _run(TORCHRUN_SH, "--dry-run", FP8="0")
+    cmd = _command(result.stdout)
+    _parser()
+    args = launch_plan.parse(cmd[next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py")) + 1:], 2048)
+    launch_plan.check(args)
+    ours = sum(p.total for p in stage_params(args, args.pipeline_model_parallel_layout, shard=False))
+    h = args.hidden_size
+    megatron_args = copy.copy(args)
+    megatron_args.padded_vocab_size = padded_vocab(args)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        compute_weight_and_optimizer_memory(megatron_args, verbose=True)
+    total = next(line for line in printed.getvalue().splitlines() if line.startswith("Total number of parameters"))
+    assert total.split()[-1] == f"{(ours - args.mtp_num_layers * (3 * h + 2 * h * h)) / 1e9:.2f}", total
