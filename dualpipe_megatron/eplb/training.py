@@ -86,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "outside the model (not in the optimizer or checkpoints); their gradients are added to the "
              "owner's before the data-parallel reduction and the updated weights copied back after each "
              "step. The planner places them every --eplb-interval iterations. 0: off.")
+    group.add_argument(
+        "--eplb-gpus-per-node", type=int, default=None, metavar="K",
+        help="Ranks per node for node-limited placement: with --moe-router-num-groups G, the plan keeps "
+             "each routing group's experts on one node (DeepSeek's hierarchical policy); rank r is on node "
+             "r // K. Default: torchrun's LOCAL_WORLD_SIZE. Set it to simulate several nodes on one machine.")
     return parser
 
 
