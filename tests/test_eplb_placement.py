@@ -105,7 +105,7 @@ def _args(**overrides) -> argparse.Namespace:
     base = dict(eplb_interval=2, eplb_window=4, eplb_threshold=0.0, eplb_stats_file=None, num_experts=8,
                 expert_model_parallel_size=2, async_save=False, use_distributed_optimizer=False,
                 overlap_param_gather=False, moe_token_dispatcher_type="alltoall", eplb_redundant_experts=0,
-                pipeline_schedule="dualpipev")
+                eplb_gpus_per_node=None, pipeline_schedule="dualpipev")
     return argparse.Namespace(**{**base, **overrides})
 
 
@@ -113,6 +113,7 @@ def _args(**overrides) -> argparse.Namespace:
     ({"eplb_interval": -1}, "--eplb-interval must be >= 0"),
     ({"eplb_window": 0}, "--eplb-window must be >= 1"),
     ({"eplb_threshold": -0.1}, "--eplb-threshold must be >= 0"),
+    ({"eplb_gpus_per_node": 0}, "--eplb-gpus-per-node must be >= 1"),
     ({"num_experts": None}, "need an MoE model"),
     ({"expert_model_parallel_size": 1}, "--expert-model-parallel-size > 1"),
     ({"async_save": True}, "--async-save"),

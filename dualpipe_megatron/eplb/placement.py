@@ -11,6 +11,7 @@ they already are as the plan allows.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
@@ -41,26 +42,41 @@ def check_permutation(phy2log: torch.Tensor, num_experts: int) -> None:
                              f"{num_experts} experts")
 
 
-def align(current: torch.Tensor, proposed: torch.Tensor, ep_size: int) -> torch.Tensor:
+def _match(held: list[set[int]], wanted: list[set[int]]) -> list[int]:
+    """For each wanted set, a distinct held one: greedy by overlap (largest first, then lowest indices)."""
+    pairs = sorted(((len(h & w), -j, -i) for j, w in enumerate(wanted) for i, h in enumerate(held)), reverse=True)
+    chosen: dict[int, int] = {}
+    taken: set[int] = set()
+    for _, neg_j, neg_i in pairs:
+        j, i = -neg_j, -neg_i
+        if j not in chosen and i not in taken:
+            chosen[j] = i
+            taken.add(i)
+    return [chosen[j] for j in range(len(wanted))]
+
+
+def align(current: torch.Tensor, proposed: torch.Tensor, ep_size: int,
+          nodes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """``proposed`` renumbered to move the fewest experts; the same experts share a rank.
 
     The planner's packs are unordered and so are the slots within one: each pack goes to the
     rank already holding most of its experts (greedy by overlap), and each expert staying on
-    its rank keeps its slot (with redundant experts, as many of its copies as stay).
+    its rank keeps its slot (with redundant experts, as many of its copies as stay). With
+    ``nodes`` (the EP ranks of each node, equal sizes) a pack only moves within its node, and a
+    node's packs together go to the node already holding most of their experts: node-limited
+    plans stay node-limited.
     """
     num_slots = current.numel()
     per_rank = num_slots // ep_size
+    nodes = [list(range(ep_size))] if nodes is None else [list(n) for n in nodes]
     now = [set(current[r * per_rank:(r + 1) * per_rank].tolist()) for r in range(ep_size)]
     packs = [proposed[g * per_rank:(g + 1) * per_rank].tolist() for g in range(ep_size)]
-    pairs = sorted(((len(now[r] & set(pack)), -g, -r) for g, pack in enumerate(packs) for r in range(ep_size)),
-                   reverse=True)
+    node_sets = [set().union(*(now[r] for r in node)) for node in nodes]
+    planned_sets = [set().union(*(set(packs[g]) for g in node)) for node in nodes]
     rank_of: dict[int, int] = {}
-    taken: set[int] = set()
-    for _, neg_g, neg_r in pairs:
-        g, r = -neg_g, -neg_r
-        if g not in rank_of and r not in taken:
-            rank_of[g] = r
-            taken.add(r)
+    for b, a in enumerate(_match(node_sets, planned_sets)):
+        targets = _match([now[r] for r in nodes[a]], [set(packs[g]) for g in nodes[b]])
+        rank_of.update({g: nodes[a][t] for g, t in zip(nodes[b], targets)})
     out = torch.empty_like(current)
     for g, pack in enumerate(packs):
         r = rank_of[g]

@@ -140,6 +140,19 @@ def _check(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: 
         raise ValueError(f"num_gpus ({num_gpus}) must divide num_replicas ({num_replicas})")
 
 
+def hierarchical_problem(num_experts: int, num_replicas: int, num_groups: int, num_nodes: int,
+                         num_gpus: int) -> str | None:
+    """Why :func:`rebalance_experts` would not keep groups on nodes for these sizes (None: it does):
+    an input it refuses, or nodes that do not divide the groups (its global policy)."""
+    try:
+        _check(torch.zeros(1, num_experts), num_replicas, num_groups, num_nodes, num_gpus)
+    except ValueError as exc:
+        return str(exc)
+    if num_groups % num_nodes:
+        return f"{num_nodes} nodes do not divide {num_groups} expert groups"
+    return None
+
+
 def _log2phy(phy2log: torch.Tensor, rank: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
     """``[layers, num_log, max replicas]``: replica ids of each expert by rank, padded with -1."""
     layers, num_log = logcnt.shape

@@ -18,19 +18,26 @@ token; the rank offset spreads the remainders over the copies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 
-def initial_slots(num_experts: int, redundant: int, ep_size: int) -> torch.Tensor:
+def initial_slots(num_experts: int, redundant: int, ep_size: int,
+                  nodes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Before any load is known: rank ``r`` computes the experts it owns (Megatron's placement)
-    and replicates the first experts of rank ``r + 1`` (cyclically). Under even load every
-    rank gets the same share."""
+    and replicates the first experts of the next rank of its node (cyclically; ``nodes``: the EP
+    ranks of each node, default one node), so copies stay on their owner's node. Under even load
+    every rank gets the same share."""
     per_rank, extra = num_experts // ep_size, redundant // ep_size
+    following = {}
+    for node in nodes or [range(ep_size)]:
+        node = list(node)
+        following.update({r: node[(i + 1) % len(node)] for i, r in enumerate(node)})
     row: list[int] = []
     for r in range(ep_size):
-        neighbour = (r + 1) % ep_size * per_rank
+        neighbour = following[r] * per_rank
         row += list(range(r * per_rank, (r + 1) * per_rank)) + [neighbour + j % per_rank for j in range(extra)]
     return torch.tensor(row, dtype=torch.int64)
 

@@ -32,6 +32,7 @@ from ..megatron.training_support import register_arguments
 from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts, take_slot_counts
 from .guard import adopt, imbalance, layer_imbalance, overall_imbalance
 from .moves import move_experts
+from .nodes import choose_policy, node_pattern
 from .optimizer_state import PRIVATE_CALLS, OptimizerTensors
 from .placement import align, as_plan, identity
 from .planner import rebalance_experts
@@ -44,6 +45,7 @@ PATCHES = PatchSet("EPLB")
 METRIC = "eplb_max_mean_load"
 STATS_FILE_NAME = "eplb.json"
 CHECK_REPLICAS_ENV = "DUALPIPE_EPLB_CHECK_REPLICAS"  # "1": before every step, compare replicas with owners
+LOG_PLANS_ENV = "DUALPIPE_EPLB_LOG_PLANS"  # "1": log each re-plan's load and placements as JSON
 
 _state: dict[str, Any] = {"controller": None, "loaded": None}
 
@@ -55,6 +57,7 @@ class EplbOptions:
     threshold: float
     stats_file: str | None
     redundant: int = 0
+    gpus_per_node: int | None = None
 
     @property
     def collecting(self) -> bool:
@@ -96,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> EplbOptions:
     return EplbOptions(args.eplb_interval, args.eplb_window, args.eplb_threshold, args.eplb_stats_file,
-                       args.eplb_redundant_experts)
+                       args.eplb_redundant_experts, args.eplb_gpus_per_node)
 
 
 def argument_problems(args: argparse.Namespace) -> list[str]:
@@ -109,6 +112,8 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--eplb-window must be >= 1, got {options.window}")
     if options.threshold < 0:
         problems.append(f"--eplb-threshold must be >= 0, got {options.threshold}")
+    if options.gpus_per_node is not None and options.gpus_per_node < 1:
+        problems.append(f"--eplb-gpus-per-node must be >= 1, got {options.gpus_per_node}")
     if not options.collecting:
         return problems
     if options.redundant < 0:
@@ -173,8 +178,8 @@ class EplbController:
         self.handles = find_moe_layers(model)
         local_keys = sorted({h.key for h in self.handles})
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local_keys)
-        self.keys: list[LayerKey] = sorted({tuple(k) for keys in gathered for k in keys},
+        dist.all_gather_object(gathered, (local_keys, _node_pattern(options)))
+        self.keys: list[LayerKey] = sorted({tuple(k) for keys, _ in gathered for k in keys},
                                            key=lambda k: _layer_number(k, args.num_layers))
         self.row = {k: i for i, k in enumerate(self.keys)}
         self.num_experts = args.num_experts
@@ -190,9 +195,14 @@ class EplbController:
         for handle in self.handles:
             install_router_hook(handle)
         self.num_slots = self.num_experts + options.redundant
+        groups = getattr(args, "moe_router_num_groups", None) or 1
+        self.policy = choose_policy(self.num_experts, self.num_slots, groups, [pattern for _, pattern in gathered])
+        if groups > 1 and (options.interval > 0 or options.redundant):
+            _print_last(f"EPLB placement: {self.policy.reason}")
         self.slots: torch.Tensor | None = None  # compute slots, with redundant experts
         if options.redundant:
-            self.slots = initial_slots(self.num_experts, options.redundant, self.ep_size).repeat(len(self.keys), 1)
+            nodes = self.policy.layout.nodes
+            self.slots = initial_slots(self.num_experts, options.redundant, self.ep_size, nodes).repeat(len(self.keys), 1)
             self.replicas = {id(h): LayerReplicas(h, self.num_slots) for h in self.handles}
             self._place_replicas()
             from megatron.core.utils import get_model_config
@@ -305,14 +315,23 @@ class EplbController:
         """Plan from the window's average load, keep what the guard rejects, move the rest."""
         load = self.stats.average()
         current = self.compute_placement
-        new = current.clone()
+        new, aligned = current.clone(), current.clone()
+        policy, layout = self.policy, self.policy.layout
         for row in range(len(self.keys)):
-            phy2log = rebalance_experts(load[row:row + 1], self.num_slots, 1, 1, self.ep_size)[0][0]
-            proposed = align(current[row], phy2log, self.ep_size)
+            phy2log = rebalance_experts(load[row:row + 1], self.num_slots, policy.groups, policy.num_nodes,
+                                        self.ep_size)[0][0]
+            aligned[row] = align(current[row], layout.in_ep_order(phy2log), self.ep_size, layout.nodes)
+            if policy.hierarchical and not layout.keeps_groups(current[row], policy.groups, self.num_experts):
+                new[row] = aligned[row]  # the guard may keep only a node-limited placement
+                continue
             chosen = adopt(as_plan(current[row:row + 1], self.num_experts),
-                           as_plan(proposed[None], self.num_experts), load[row:row + 1],
+                           as_plan(aligned[row:row + 1], self.num_experts), load[row:row + 1],
                            self.options.threshold, num_gpus=self.ep_size)
             new[row] = chosen[0][0]
+        if os.environ.get(LOG_PLANS_ENV) == "1":
+            _print_last(f"EPLB plan at iteration {iteration}: " + json.dumps({
+                "groups": policy.groups, "nodes": [list(n) for n in layout.nodes], "num_slots": self.num_slots,
+                "load": load.tolist(), "aligned": aligned.tolist(), "placement": new.tolist()}))
         before = imbalance(as_plan(current, self.num_experts), load, self.ep_size)
         predicted = imbalance(as_plan(new, self.num_experts), load, self.ep_size)
         changed = (new != current)
@@ -401,6 +420,14 @@ class EplbController:
                         f"EP {saved.get('ep_size')}; this job {self.num_slots} at EP {self.ep_size})")
         _print_last(f"EPLB: resumed with {len(self.stats.history)} iterations of the checkpoint's expert load "
                     f"and {restored}")
+
+
+def _node_pattern(options: EplbOptions) -> tuple[int, ...]:
+    """This rank's EP group as :func:`node_pattern` sees it (ranks per node: the flag, else torchrun's)."""
+    from megatron.core import parallel_state
+
+    per_node = options.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return node_pattern(dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()), per_node)
 
 
 def _print_last(message: str) -> None:
