@@ -21,6 +21,8 @@
 #                  (--profile --use-pytorch-profiler); `python -m dualpipe_megatron.trace profile`
 #                  reads each rank's trace: compute, communication hidden and exposed, GPU time per
 #                  op; traces, reports and figures go into one archive, profile.tar.gz
+#   calibrate      `python -m dualpipe_megatron.projection calibrate` on the dualpipev run's trace:
+#                  per-layer op costs and communication measured on the GPU (in profile.tar.gz)
 # The three two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU); with
 # --cpu-dry-run they run on CPU with gloo instead. Every launched command has a hard timeout, so
 # a hang is a FAIL. Logs and results go to ${OUT:-outputs/gpu_check}; the exit status is 0 only
@@ -426,10 +428,28 @@ for section in megatron_pp2 megatron_eplb; do
     fi
 done
 
-# -- projection calibrate: RESERVED for the projection helper (issue 24, item 5) ------------------
-# The profiler traces are in $PROFILE_DIR/megatron_pp2/torch_profile/ and
-# $PROFILE_DIR/megatron_eplb/torch_profile/ (rank-N.json.gz). Write outputs into $PROFILE_DIR: it
-# is bundled into profile.tar.gz just below (the output folder has no room for more files).
+# -- calibrate: op costs from the dualpipev run's GPU profile (projection calibrate) -------------
+# Our op ranges hold one chunk each: 4 layers over dualpipev's 4 stages at PP=2 is 1 layer a chunk.
+# The traced layer is a dense GPT (its op ranges' communication is pipeline p2p), not the MLA + MoE
+# shape the file records (preset tiny at hidden 256, sequence 256): the ms are the GPU's, rescaling
+# them to another shape is approximate. Output: $PROFILE_DIR/op_costs_calibrated.json (bundled).
+# The CPU dry run's trace has host times only, which calibrate must refuse by name.
+header "calibrate"
+log="$PROFILE_DIR/calibrate.txt"
+if [[ "$(status_of profile_pp2)" != PASS ]]; then
+    record calibrate SKIP "profile_pp2 did not pass"
+elif run_limited "$PROFILE_TIMEOUT" "$log" "$PY" -m dualpipe_megatron.projection calibrate \
+        "$PROFILE_DIR/megatron_pp2/torch_profile" --layers-per-chunk 1 --preset tiny --hidden 256 \
+        --seq 256 -o "$PROFILE_DIR/op_costs_calibrated.json"; then
+    cat "$log"
+    if [[ "$DRY_RUN" == 1 ]]; then record calibrate FAIL "a CPU trace was calibrated (it has no GPU kernels)"
+    else record calibrate PASS "$(head -n 1 "$log")"; fi
+else
+    rc=$?; show_tail "$log"
+    if [[ "$DRY_RUN" == 1 ]] && grep -q "no GPU kernels" "$log"; then
+        record calibrate SKIP "CPU dry run: calibrate refused the host-only trace as it should"
+    else record calibrate FAIL "projection calibrate of megatron_pp2: $(why_failed $rc "$PROFILE_TIMEOUT")"; fi
+fi
 
 # -- bundle: everything under $PROFILE_DIR but tensorboard folders, in one archive ---------------
 if [[ -n "$(ls -A "$PROFILE_DIR")" ]]; then
