@@ -153,3 +153,19 @@ def test_module_entry_point_runs_a_plan(tmp_path: Path, capsys: pytest.CaptureFi
     assert proc.returncode == 0, proc.stderr
     assert main(argv) == 0
     assert proc.stdout == capsys.readouterr().out and "layer 7:" in proc.stdout
+
+
+def test_plan_shows_each_node_and_its_groups_under_the_hierarchical_policy(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "s.json")
+    assert main(["plan", "--stats", str(path), "--replicas", "12", "--groups", "2", "--nodes", "2",
+                 "--gpus", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "nodes 2, GPUs 4, hierarchical policy" in text
+    phy2log = rebalance_experts(load(), 12, 2, 2, 4)[0]
+    for row in phy2log.tolist():
+        for node in range(2):
+            slots = row[6 * node:6 * (node + 1)]
+            [group] = {e // 4 for e in slots}  # the node holds one whole group, copies included
+            gpus = " | ".join(f"GPU {2 * node + g}: " + " ".join(map(str, slots[3 * g:3 * g + 3])) for g in range(2))
+            assert f"  node {node} (groups {group}): {gpus}\n" in text, text

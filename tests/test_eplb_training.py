@@ -37,9 +37,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pretrain_runs import TRAIN, RunFailed, grad_norms, logged, losses, run
 
+from test_eplb_nodes import node_form, planner_form
+
+from dualpipe_megatron.eplb import rebalance_experts
+from dualpipe_megatron.eplb.nodes import NodeLayout
+from dualpipe_megatron.eplb.redundancy import initial_slots
 from dualpipe_megatron.eplb.stats import read_stats_file
 
 MOE = ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2 "
@@ -57,17 +63,25 @@ CHECKED = re.compile(r"^EPLB replica check: all (\d+) replicas equal their owner
                      re.MULTILINE)
 REPLICA_TOKENS = re.compile(r"^EPLB replica sync: [0-9.]+ ms per step .*replicas computed (\d+) routed tokens",
                             re.MULTILINE)
+PLAN = "EPLB plan at iteration "
 RESUMED = re.compile(r"^EPLB: resumed with (\d+) iterations of the checkpoint's expert load and (.*)$", re.MULTILINE)
 
 ONE_F_ONE_B = [*EP2_P2, "--pipeline-schedule", "1f1b", "--use-distributed-optimizer",
                "--moe-token-dispatcher-type", "allgather"]
 DUALPIPEV = [*EP2_P2, "--pipeline-schedule", "dualpipev"]
+# Node-limited: EP=4 over two simulated nodes of 2 ranks, 2 routing groups, a token in one of them.
+GROUPS, NODES, NODE_SIZE, HIERARCHICAL_SLOTS = 2, 2, 2, 12
+EP4_GROUPS = ["--expert-model-parallel-size", "4", "--moe-router-num-groups", str(GROUPS),
+              "--moe-router-group-topk", "1"]
+HIERARCHICAL = [*EPLB, "--eplb-redundant-experts", str(HIERARCHICAL_SLOTS - 8),
+                "--eplb-gpus-per-node", str(NODE_SIZE)]
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DUALPIPE_EPLB_CHECK_REPLICAS", "1")
+        env.setenv("DUALPIPE_EPLB_LOG_PLANS", "1")
         return _run_jobs(tmp_path_factory.mktemp("eplb_training"))
 
 
@@ -93,6 +107,8 @@ def _run_jobs(out: Path) -> dict[str, Any]:
         "dualpipev_resumed_with_redundancy": [*DUALPIPEV, *REDUNDANT, *resume("ckpt_plain")],
         "ep2dp4": EP2_DP4,
         "ep2dp4_eplb": [*EP2_DP4, *REDUNDANT],
+        "ep4_groups": EP4_GROUPS,
+        "ep4_groups_hierarchical": [*EP4_GROUPS, *HIERARCHICAL],
     }
     got: dict[str, Any] = {"out": out}
     try:
@@ -103,10 +119,21 @@ def _run_jobs(out: Path) -> dict[str, Any]:
                          "moves": [(int(i), int(n), float(p), m) for i, n, p, m in MOVED.findall(log)],
                          "resumed": RESUMED.findall(log),
                          "checked": [(int(n), int(i)) for n, i in CHECKED.findall(log)],
-                         "replica_tokens": [int(t) for t in REPLICA_TOKENS.findall(log)]}
+                         "replica_tokens": [int(t) for t in REPLICA_TOKENS.findall(log)],
+                         "plans": _plans(log)}
     except RunFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
+
+
+def _plans(log: str) -> dict[int, dict[str, Any]]:
+    """The ``DUALPIPE_EPLB_LOG_PLANS`` lines by iteration (raw_decode: another rank may continue a line)."""
+    plans = {}
+    for line in log.splitlines():
+        if line.startswith(PLAN):
+            iteration, _, rest = line[len(PLAN):].partition(": ")
+            plans[int(iteration)] = json.JSONDecoder().raw_decode(rest)[0]
+    return plans
 
 
 def _equal(got: dict[int, float], want: dict[int, float], rtol: float, what: str) -> None:
@@ -186,3 +213,33 @@ def test_stats_file(jobs: dict[str, Any], name: str) -> None:
     assert whole["iteration"] == ITERS and len(stats.history) == 4 and whole["ep_size"] == 2
     assert stats.layers == list(range(1, 9)) and all(sum(layer) == 256 for layer in whole["history"][-1])
     assert whole["placement"] != [list(range(8))] * 8
+
+
+def test_hierarchical_placement_is_deepseeks_plan_with_groups_on_one_node(jobs: dict[str, Any]) -> None:
+    """Each re-plan's placement is ``rebalance_experts(load, slots, G, N, EP)`` of the logged
+    load, renumbered only within nodes (and nodes as wholes), and each group's experts (all their
+    copies) lie on one node, before and after every move; losses equal the run without EPLB."""
+    plain, eplb = jobs["ep4_groups"], jobs["ep4_groups_hierarchical"]
+    _equal(eplb["loss"], plain["loss"], LOSS_RTOL, "lm loss with hierarchical EPLB")
+    _equal(eplb["grad_norm"], plain["grad_norm"], NORM_RTOL, "grad norm with hierarchical EPLB")
+    assert ("EPLB placement: hierarchical policy: 2 expert groups over 2 node(s) of 2 EP rank(s), "
+            "each group on one node") in eplb["log"]
+    plans = eplb["plans"]
+    assert sorted(plans) == [2, 4, 6], eplb["log"][-3000:]
+    nodes = ((0, 1), (2, 3))
+    layout = NodeLayout(nodes)
+    previous = initial_slots(8, HIERARCHICAL_SLOTS - 8, 4, nodes).repeat(8, 1).tolist()
+    adopted = 0
+    for iteration, plan in sorted(plans.items()):
+        assert plan["groups"] == GROUPS and plan["nodes"] == [list(n) for n in nodes]
+        assert plan["num_slots"] == HIERARCHICAL_SLOTS
+        load = torch.tensor(plan["load"], dtype=torch.float64)
+        for layer, (aligned, placed) in enumerate(zip(plan["aligned"], plan["placement"])):
+            deepseek = rebalance_experts(load[layer:layer + 1], HIERARCHICAL_SLOTS, GROUPS, NODES, 4)[0][0]
+            assert node_form(aligned, nodes) == planner_form(deepseek.tolist(), NODES, 4), (iteration, layer)
+            assert placed in (aligned, previous[layer]), (iteration, layer)  # adopted, or kept by the guard
+            assert layout.keeps_groups(torch.tensor(placed), GROUPS, 8), (iteration, layer, placed)
+            adopted += placed == aligned and placed != previous[layer]
+        previous = plan["placement"]
+    assert adopted > 0, "no layer was re-placed"
+    assert [m[0] for m in eplb["moves"]] == [2, 4, 6] and [i for _, i in eplb["checked"]] == list(range(1, ITERS + 1))

@@ -6,8 +6,9 @@ for the same inputs); :func:`adopt` guards it, keeping the current placement
 unless the plan is predicted to lower the per-GPU max/mean load by a threshold.
 
 In Megatron training (``--eplb-*``, :mod:`.training`): :mod:`.experts` counts and remaps at the
-routers, :mod:`.stats` keeps the load window, :mod:`.placement` aligns plans with the current
-placement, :mod:`.moves` moves experts with :mod:`.optimizer_state`'s tensors; ``python -m
+routers, :mod:`.stats` keeps the load window, :mod:`.nodes` keeps routing groups on one node
+(DeepSeek's hierarchical policy), :mod:`.placement` aligns plans with the current placement,
+:mod:`.moves` moves experts with :mod:`.optimizer_state`'s tensors; ``python -m
 dualpipe_megatron.eplb plan|stats`` (:mod:`.cli`) works on the statistics offline. Megatron is
 imported lazily: the planner needs torch only.
 """

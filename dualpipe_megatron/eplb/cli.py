@@ -114,6 +114,23 @@ def _write_json(path: str, doc: object) -> None:
         raise EplbError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
+def _gpu_lines(slots: list[list[int]], groups: int, nodes: int, experts: int) -> list[str]:
+    """The placement GPU by GPU; under the hierarchical policy over several nodes, one line per
+    node naming the expert groups it holds (each group's experts stay on one node)."""
+    def gpus(first: int, rows: list[list[int]]) -> str:
+        return " | ".join(f"GPU {first + g}: " + " ".join(map(str, s)) for g, s in enumerate(rows))
+
+    if nodes == 1 or groups % nodes:
+        return [gpus(0, slots)]
+    per_node, group_size = len(slots) // nodes, experts // groups
+    lines = []
+    for n in range(nodes):
+        rows = slots[n * per_node:(n + 1) * per_node]
+        held = sorted({e // group_size for row in rows for e in row})
+        lines.append(f"node {n} (groups {' '.join(map(str, held))}): " + gpus(n * per_node, rows))
+    return lines
+
+
 def cmd_plan(args: argparse.Namespace) -> None:
     f = read(args.stats)
     try:
@@ -133,7 +150,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     for i, layer in enumerate(f.stats.layers):
         print(f"layer {layer}:")
         slots = phy2log[i].view(args.gpus, per_gpu).tolist()
-        print("  " + " | ".join(f"GPU {g}: " + " ".join(map(str, s)) for g, s in enumerate(slots)))
+        for line in _gpu_lines(slots, args.groups, args.nodes, experts):
+            print("  " + line)
         extra = [f"expert {e} x{n}" for e, n in enumerate(logcnt[i].tolist()) if n > 1]
         print("  replicas: " + (", ".join(extra) if extra else "one per expert"))
         print("  GPU load before: " + ("n/a" if before is None else _loads(before[i])))
