@@ -92,8 +92,9 @@ def test_align_keeps_each_pack_of_a_hierarchical_plan_on_its_node(seed: int, nod
     slots = experts + ep * int(torch.randint(0, 3, (1,), generator=g))  # 0 to 2 redundant slots per rank
     load = (torch.rand(1, experts, generator=g, dtype=torch.float64) * 100) ** 2
     plan = rebalance_experts(load, slots, groups, num_nodes, ep)[0][0]
-    current = torch.cat([torch.randperm(experts, generator=g),
-                         torch.randint(0, experts, (slots - experts,), generator=g)])[torch.randperm(slots, generator=g)]
+    every_expert_and_extras = torch.cat([torch.randperm(experts, generator=g),
+                                         torch.randint(0, experts, (slots - experts,), generator=g)])
+    current = every_expert_and_extras[torch.randperm(slots, generator=g)]
     proposed = layout.in_ep_order(plan)
     assert node_form(proposed.tolist(), nodes) == planner_form(plan.tolist(), num_nodes, ep)
     aligned = align(current, proposed, ep, layout.nodes)

@@ -19,6 +19,11 @@ and grad norms to 1e-4. Runs:
   and iteration 3's loss differ). ``DUALPIPE_EPLB_CHECK_REPLICAS=1`` compares every replica with
   its owner bitwise before every iteration (the run fails on a difference; the test counts the
   checks), and the log says how many routed tokens the replicas computed;
+- node-limited placement: EP=4 (P=1) over two simulated nodes of two ranks
+  (``--eplb-gpus-per-node 2``) with group-limited routing (2 groups, a token in one) and 4
+  redundant experts; ``DUALPIPE_EPLB_LOG_PLANS=1`` logs each re-plan's load and placements, and
+  each must be DeepSeek's ``rebalance_experts(load, 12, 2, 2, 4)`` of that load up to renumbering
+  within nodes, with every group's experts (copies included) on one node;
 - the DualPipeV run saves a checkpoint at iteration 4, right after a move; it resumes *without*
   EPLB (no redundancy) under DualPipeV and *with* EPLB and redundancy (placement and statistics
   restored) under DualPipe, where each model copy's replicas reach that copy's owners before the

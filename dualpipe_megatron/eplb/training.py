@@ -201,8 +201,8 @@ class EplbController:
             _print_last(f"EPLB placement: {self.policy.reason}")
         self.slots: torch.Tensor | None = None  # compute slots, with redundant experts
         if options.redundant:
-            nodes = self.policy.layout.nodes
-            self.slots = initial_slots(self.num_experts, options.redundant, self.ep_size, nodes).repeat(len(self.keys), 1)
+            first = initial_slots(self.num_experts, options.redundant, self.ep_size, self.policy.layout.nodes)
+            self.slots = first.repeat(len(self.keys), 1)
             self.replicas = {id(h): LayerReplicas(h, self.num_slots) for h in self.handles}
             self._place_replicas()
             from megatron.core.utils import get_model_config
