@@ -41,10 +41,11 @@ class _Pass:
 
     compute: float = 0.0
     comm: float = 0.0
-    units: float = 0.0
+    units: int = 0
 
-    def per_unit(self, what: str) -> float:
-        return (self.compute if what == "compute" else self.comm) / self.units if self.units else 0.0
+
+def _per(total: float, units: int) -> float:
+    return total / units if units else 0.0
 
 
 def _ours(phase: PhaseTime) -> str | None:
@@ -90,6 +91,7 @@ def _pair_layers(pair: PairTime, rank: RankProfile, layers_per_chunk: int | None
 
 
 def _pair_has_w(pair: PairTime, rank: RankProfile) -> bool:
+    """Whether the pair's backward computed its weight grads (else a later W did)."""
     own = rank.phases.get(pair.name)
     if own is not None and own.kind == "FB":
         return not own.input_grad_only
@@ -110,7 +112,7 @@ def calibrate(profiles: Sequence[RankProfile], shape: LayerShape,
         raise ProjectionError(f"{', '.join(host_only)}: no GPU kernels (a CPU run's trace has host "
                               f"times only); calibrate needs a GPU profile")
     passes, naming = _passes(profiles, layers_per_chunk)
-    ms = {op: p.per_unit("compute") for op, p in passes.items()}
+    ms = {op: _per(p.compute, p.units) for op, p in passes.items()}
     if not ms["B"]:
         ms["B"] = ms["B_input"] + ms["W"]
     if not ms["B_input"] and ms["W"]:
@@ -120,16 +122,16 @@ def calibrate(profiles: Sequence[RankProfile], shape: LayerShape,
         raise ProjectionError(f"the trace has no GPU compute for {', '.join(missing)} ({naming}): "
                               f"calibrate needs forwards, backwards and weight-grad passes")
     pairs = [(r, p) for r in profiles for p in r.pairs]
-    layers = sum(_pair_layers(p, r, layers_per_chunk) for r, p in pairs)
+    pair_layers = [_pair_layers(p, r, layers_per_chunk) for r, p in pairs]
+    layers = sum(pair_layers)
     if layers:
-        ms["F_then_B"] = sum(p.compute_ms + (0 if _pair_has_w(p, r) else ms["W"] * _pair_layers(p, r, layers_per_chunk))
-                             for r, p in pairs) / layers
+        ms["F_then_B"] = sum(p.compute_ms + (0 if _pair_has_w(p, r) else ms["W"] * n)
+                             for (r, p), n in zip(pairs, pair_layers)) / layers
     else:
         ms["F_then_B"] = ms["F"] + ms["B"]
-    back = [passes["B"], passes["B_input"]]
-    units = sum(p.units for p in back)
-    comm = {"forward": passes["F"].per_unit("comm"),
-            "backward": sum(p.comm for p in back) / units if units else 0.0}
+    back = (passes["B"], passes["B_input"])
+    comm = {"forward": _per(passes["F"].comm, passes["F"].units),
+            "backward": _per(sum(p.comm for p in back), sum(p.units for p in back))}
     shorter = sum(min(p.compute_ms, p.communication_ms) for _, p in pairs)
     share = sum(p.exposed_communication_ms for _, p in pairs) / shorter if shorter else None
     info: dict[str, Any] = {

@@ -124,6 +124,10 @@ class ModelSpec:
                           v_head_dim=t.v_head)
 
 
+def _digits4(value: float) -> Fraction:
+    return Fraction(round(value * 10000), 10000)
+
+
 def megatron_counts(num_layers: int, stages: int) -> list[int]:
     """Decoder layers per stage under ``--account-for-embedding/loss-in-pipeline-split``: the
     embedding and the loss count as one layer each. Megatron asks ``num_layers + 2`` to divide
@@ -187,9 +191,9 @@ class Realistic:
         moe = model.decoder(True)
         per = target.layers
         # An F-then-B pair's compute / lone compute (a second stream overlaps W): the pair rule's
-        # fb_ratio, to 4 digits so the layout search's integer timer stays small.
-        self.fb_ratio = Fraction(round(times.FB / (times.F + times.B) * 10000), 10000)
-        self.loss = microseconds(loss)
+        # fb_ratio; it and the loss to 4 digits, so the layout search's integer timer stays small.
+        self.fb_ratio = _digits4(times.FB / (times.F + times.B))
+        self.loss = _digits4(loss)
         hide = self.fb_ratio - self.loss
         a2a = (times.a2a_fwd / per, times.a2a_bwd / per)  # one MoE layer, each way
         rate = {op: getattr(times, op) / per / float(getattr(moe, op)) for op in ("F", "B", "W")}
