@@ -119,18 +119,22 @@ def mark_mirror_copies_shared(model: Sequence[nn.Module]) -> None:
         p.shared = True
 
 
+def _sum_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """All-reduce ``tensors`` over ``group`` as one flat buffer (nothing when empty)."""
+    if not tensors:
+        return
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for t, summed in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(summed)
+
+
 @torch.no_grad()
 def sum_mirrored_grads(model: Sequence[nn.Module], stage_map: StageMap, rank: int,
                        group: dist.ProcessGroup) -> None:
     """All-reduce each stage's gradients over its two copies, one flat buffer per stage."""
     for c in _stage_chunks(stage_map, rank):
-        grads = [g for g in (grad_of(p) for p in _params(model[c])) if g is not None]
-        if not grads:
-            continue
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(summed)
+        _sum_in_place([g for g in (grad_of(p) for p in _params(model[c])) if g is not None], group)
 
 
 @torch.no_grad()
@@ -145,7 +149,6 @@ def mirrored_param_mismatch(model: Sequence[nn.Module], stage_map: StageMap, ran
         dist.all_gather(both, flat, group=group)
         worst = torch.maximum(worst, (both[0] - both[1]).abs().max())
     return float(worst)
-
 
 
 def _bias_routers(model: Sequence[nn.Module], stage_map: StageMap, rank: int) -> list[nn.Module]:
@@ -166,13 +169,7 @@ def sum_mirrored_expert_token_counts(model: Sequence[nn.Module], stage_map: Stag
     biases drift apart. The counts are whole numbers per logical expert (counted before any EPLB
     permutation), so the sum is exact and both copies then make 1F1B's update.
     """
-    counts = [m.local_tokens_per_expert for m in _bias_routers(model, stage_map, rank)]
-    if not counts:
-        return
-    flat = _flatten_dense_tensors(counts)
-    dist.all_reduce(flat, group=group)
-    for c, summed in zip(counts, _unflatten_dense_tensors(flat, counts)):
-        c.copy_(summed)
+    _sum_in_place([m.local_tokens_per_expert for m in _bias_routers(model, stage_map, rank)], group)
 
 
 @torch.no_grad()
