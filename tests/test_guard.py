@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from dualpipe_megatron import patch_guard
 from dualpipe_megatron.megatron import cpu_compat, guard, training_support, wgrad_megatron, wgrad_te
-from dualpipe_megatron.megatron.guard import PatchSet
+from dualpipe_megatron.patch_guard import PatchSet
 from dualpipe_megatron.megatron.model import (
     MIRROR_REPLICAS, save_mirror_copies_as_replicas, uninstall_mirror_replicas,
 )
@@ -49,7 +50,7 @@ def test_staticmethod_and_classmethod_restore_exactly(patches: PatchSet) -> None
     patches.restore()
     for name, value in before.items():
         assert inspect.getattr_static(_Target, name) is value
-    assert not guard.is_patched(_Target, "static")
+    assert not patch_guard.is_patched(_Target, "static")
 
 
 def test_descriptor_kind_must_match(patches: PatchSet) -> None:
@@ -87,7 +88,7 @@ def test_wrong_signature_is_refused_and_nothing_patched(patches: PatchSet) -> No
     assert "expected signature (self, a, b=2), found (self, a, b=1)" in message
     assert "megatron-core 0.19.x" in message
     assert inspect.getattr_static(_Target, "method") is original
-    assert not guard.is_patched(_Target, "method")
+    assert not patch_guard.is_patched(_Target, "method")
 
 
 def test_wrong_megatron_signature_names_symbol_and_versions(patches: PatchSet) -> None:
@@ -164,7 +165,7 @@ def test_uninstalling_one_subsystem_leaves_the_others(subsystems: None) -> None:
         now = _state()
         assert now[key] is not installed[key]
         patch_set, owner, name = _samples()[key]
-        assert not patch_set.is_patched(owner, name) and not guard.is_patched(owner, name)
+        assert not patch_set.is_patched(owner, name) and not patch_guard.is_patched(owner, name)
         del installed[key]
         assert {k: now[k] for k in installed} == installed, f"uninstalling {key} undid others"
     for patch_set, owner, name in (_samples()[k] for k in installed):

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from dualpipe_megatron import patch_guard
 from dualpipe_megatron.megatron import cpu_compat, guard
 from dualpipe_megatron.megatron.cpu_compat import DISABLE_ENV, GROUPS, install_cpu_compat
 
@@ -70,10 +71,10 @@ def test_env_var_and_argument_select_groups(
     monkeypatch.setenv(DISABLE_ENV, "rng, streams")
     installed = install_cpu_compat(["device", "rng", "streams", "compile"], force=True)
     assert installed == ["device", "compile"]
-    assert guard.is_patched(torch.cuda, "current_device")
-    assert not guard.is_patched(torch.cuda, "get_rng_state")
-    assert not guard.is_patched(torch.cuda, "Stream")
-    assert not guard.is_patched(torch, "zeros")
+    assert patch_guard.is_patched(torch.cuda, "current_device")
+    assert not patch_guard.is_patched(torch.cuda, "get_rng_state")
+    assert not patch_guard.is_patched(torch.cuda, "Stream")
+    assert not patch_guard.is_patched(torch, "zeros")
 
 
 def test_env_var_all_disables_everything(restore: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,7 +95,7 @@ def test_guard_rejects_changed_or_missing_symbols(restore: None) -> None:
         return x
 
     fake = types.SimpleNamespace(f=f)
-    patches = guard.PatchSet("test")
+    patches = patch_guard.PatchSet("test")
     with pytest.raises(RuntimeError, match=r"expected parameters \['a', 'b'\], found \['x', 'y'\]"):
         patches.patch(fake, "f", lambda a, b: a, ["a", "b"])
     assert fake.f is f

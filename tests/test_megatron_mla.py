@@ -62,13 +62,14 @@ def megatron_world() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from dualpipe_megatron.megatron import cpu_compat, guard, wgrad_megatron
+    from dualpipe_megatron import patch_guard
+    from dualpipe_megatron.megatron import cpu_compat, wgrad_megatron
 
     compat_before = cpu_compat.installed_groups()
     cpu_compat.install_cpu_compat(force=True)
     from megatron.core.tensor_parallel import layers
 
-    deferral_before = guard.is_patched(layers.LinearWithGradAccumulationAndAsyncCommunication, "backward")
+    deferral_before = patch_guard.is_patched(layers.LinearWithGradAccumulationAndAsyncCommunication, "backward")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

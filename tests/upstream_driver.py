@@ -19,7 +19,7 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat  # noqa: E402
-from dualpipe_megatron.megatron.guard import is_patched  # noqa: E402
+from dualpipe_megatron.patch_guard import is_patched  # noqa: E402
 from dualpipe_megatron.megatron import upstream_plugin  # noqa: E402
 
 # What training_support.install() replaces, besides the core stage predicates.

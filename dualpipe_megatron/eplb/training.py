@@ -27,8 +27,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..megatron.guard import PatchSet, around, check_private_symbols, check_version
+from ..megatron.guard import check_private_symbols, check_version
 from ..megatron.training_support import register_arguments
+from ..patch_guard import PatchSet, around
 from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts, take_slot_counts
 from .guard import adopt, imbalance, layer_imbalance, overall_imbalance
 from .moves import move_experts

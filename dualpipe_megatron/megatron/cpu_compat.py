@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from dualpipe_megatron.megatron.guard import PatchSet, around, check_version
+from dualpipe_megatron.megatron.guard import check_version
+from dualpipe_megatron.patch_guard import PatchSet, around
 
 DISABLE_ENV = "DUALPIPE_CPU_COMPAT_DISABLE"
 CPU = torch.device("cpu")

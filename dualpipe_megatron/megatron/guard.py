@@ -1,27 +1,16 @@
-"""Guarded monkeypatching: every replaced symbol is checked, recorded and restorable.
+"""The Megatron side of the patch guard: the supported version and the private functions we call.
 
-Megatron changes between releases; a patch applied to a symbol whose shape we do not
-know would fail silently or corrupt results, so we check before replacing and refuse
-unsupported versions outright. Each subsystem (CPU compat, the training flag, each weight-grad
-deferral, mirror replicas) owns one :class:`PatchSet`, so undoing one leaves the others live.
-
-Expected signatures come in two strengths. Megatron is pinned to 0.19.x, so its symbols are
-checked in full: the signature as ``inspect.signature`` prints it without annotations, e.g.
-``"(args, defaults={})"`` (names, kinds, defaults). torch is a range (>= 2.6) whose releases add
-trailing options, so torch symbols are checked by a list of leading parameter names.
+Megatron changes between releases, so every subsystem that patches or calls into it checks the
+installed megatron-core against the one series we support first. The patching itself is
+:mod:`dualpipe_megatron.patch_guard`'s, shared with the runtime and EPLB.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.metadata
-import inspect
-import types
 from typing import Any, Sequence
 
-SUPPORTED_MEGATRON = (0, 19)
-SUPPORTED = f"megatron-core {'.'.join(map(str, SUPPORTED_MEGATRON))}.x"
+from ..patch_guard import SUPPORTED, SUPPORTED_MEGATRON, check_signature, megatron_version, unsupported
 
 # Private Megatron functions we call without patching: (module, qualname, full signature).
 # Nothing else pins their shape, so check_private_symbols() checks them before use.
@@ -41,21 +30,10 @@ PRIVATE_CALLS: tuple[tuple[str, str, str], ...] = (
      "encoder_decoder_xattn=False, fsdp_wrapper=None)"),
 )
 
-_INHERITED = object()  # restore by deleting: the owner did not define the attribute itself
-_MISSING = object()
-_DESCRIPTORS = (staticmethod, classmethod)
-
-
-def _version() -> str | None:
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
 
 def check_version() -> str:
     """Return the megatron-core version, raising unless it is a 0.19.x release we support."""
-    version = _version()
+    version = megatron_version()
     if version is None:
         raise RuntimeError("megatron-core is not installed")
     parts = version.split("+")[0].split(".")
@@ -66,149 +44,11 @@ def check_version() -> str:
     return version
 
 
-def _bare_signature(obj: Any) -> str | None:
-    """``obj``'s signature without annotations (their spelling varies), or None for builtins."""
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):
-        return None
-    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
-    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
-
-
-def _unsupported(label: str, what: str) -> RuntimeError:
-    return RuntimeError(f"{label}: {what}; dualpipe_megatron supports {SUPPORTED} only "
-                        f"(installed: megatron-core {_version() or 'none'})")
-
-
-def _param_names(obj: Any) -> list[str] | None:
-    try:
-        return list(inspect.signature(obj).parameters)
-    except (TypeError, ValueError):  # builtins without a Python signature
-        return None
-
-
-def _check_signature(obj: Any, expected: str | Sequence[str], label: str) -> None:
-    """Raise, naming ``label`` and the supported versions, unless ``obj`` has the expected shape."""
-    if isinstance(expected, str):
-        found = _bare_signature(obj)
-        if found == expected:
-            return
-        what = f"expected signature {expected}, found {found}"
-    else:
-        found_names = _param_names(obj)
-        if found_names is not None and found_names[: len(expected)] == list(expected):
-            return
-        what = f"expected parameters {list(expected)}, found {found_names}"
-    raise _unsupported(label, what)
-
-
-def _label(owner: Any, name: str) -> str:
-    if isinstance(owner, types.ModuleType):
-        return f"{owner.__name__}.{name}"
-    cls = owner if isinstance(owner, type) else type(owner)
-    where = f"{cls.__module__}.{cls.__qualname__}"
-    return f"{where}.{name}" if cls is owner else f"{where}.{name} (instance attribute)"
-
-
-def _saved_value(owner: Any, name: str) -> Any:
-    """What restore must put back: the raw object from the owner's own ``__dict__`` (a
-    staticmethod stays a staticmethod), :data:`_INHERITED` when the attribute comes from a
-    class, or the plain value for attributes served dynamically (torch's config modules)."""
-    own = getattr(owner, "__dict__", {})
-    if name in own:
-        return own[name]
-    if inspect.getattr_static(owner, name, _MISSING) is not _MISSING:
-        return _INHERITED
-    return getattr(owner, name)
-
-
-def _same_kind(owner: Any, name: str, new: Any, label: str) -> Any:
-    """``new`` in the descriptor kind of the class attribute it replaces, so callers bind it as
-    they bound the original."""
-    if not isinstance(owner, type):
-        return new
-    kind = type(inspect.getattr_static(owner, name, None))
-    if isinstance(new, _DESCRIPTORS):
-        if type(new) is not kind:
-            raise RuntimeError(f"cannot patch {label}: a {type(new).__name__} cannot replace a "
-                               f"{kind.__name__}")
-        return new
-    return kind(new) if kind in _DESCRIPTORS else new
-
-
-# (id(owner), name) -> the set holding that patch; a symbol belongs to one subsystem at a time.
-_holders: dict[tuple[int, str], PatchSet] = {}
-
-
-class PatchSet:
-    """The patches of one subsystem: installed one by one, undone together.
-
-    Holds each owner it patched (so ids stay unique) until :meth:`restore`.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._saved: dict[tuple[int, str], tuple[Any, str, Any]] = {}
-
-    def patch(self, owner: Any, name: str, new: Any,
-              signature: str | Sequence[str] | None = None) -> bool:
-        """Replace ``owner.name`` by ``new``; False if this set already did.
-
-        ``signature`` is the full bare signature (Megatron) or leading parameter names (torch) of
-        the attribute as callers see it (``getattr(owner, name)``); None for non-callables and
-        builtins. A mismatch, a missing symbol or another set's patch raises and patches nothing.
-        """
-        key = (id(owner), name)
-        label = _label(owner, name)
-        holder = _holders.get(key)
-        if holder is self:
-            return False
-        if holder is not None:
-            raise RuntimeError(f"cannot patch {label} for {self.name}: {holder.name} patched it")
-        if not hasattr(owner, name):
-            raise _unsupported(f"cannot patch {label}", "symbol not found")
-        if signature is not None:
-            _check_signature(getattr(owner, name), signature, f"cannot patch {label}")
-        new = _same_kind(owner, name, new, label)
-        self._saved[key] = (owner, name, _saved_value(owner, name))
-        _holders[key] = self
-        setattr(owner, name, new)
-        return True
-
-    def is_patched(self, owner: Any, name: str) -> bool:
-        return _holders.get((id(owner), name)) is self
-
-    def restore(self) -> None:
-        """Put back exactly what each patch replaced, newest first (idempotent)."""
-        for key, (owner, name, saved) in reversed(list(self._saved.items())):
-            if saved is _INHERITED:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, saved)
-            del _holders[key]
-        self._saved.clear()
-
-
-def around(original: Any, hook: Any) -> Any:
-    """``original`` wrapped so that each call runs ``hook(original, *args, **kwargs)``: the shape
-    of every hook our patch sets install."""
-    @functools.wraps(original)
-    def patched(*args: Any, **kwargs: Any) -> Any:
-        return hook(original, *args, **kwargs)
-    return patched
-
-
-def is_patched(owner: Any, name: str) -> bool:
-    """Whether any subsystem has replaced ``owner.name``."""
-    return (id(owner), name) in _holders
-
-
 def _resolve(module: str, qualname: str) -> Any:
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         if not hasattr(obj, part):
-            raise _unsupported(f"{module}.{qualname}", "symbol not found")
+            raise unsupported(f"{module}.{qualname}", "symbol not found")
         obj = getattr(obj, part)
     return obj
 
@@ -217,8 +57,7 @@ def check_private_symbols(calls: Sequence[tuple[str, str, str]] = PRIVATE_CALLS)
     """Check the version and every private Megatron function we call (:data:`PRIVATE_CALLS`)."""
     check_version()
     for module, qualname, signature in calls:
-        _check_signature(_resolve(module, qualname), signature, f"{module}.{qualname}")
+        check_signature(_resolve(module, qualname), signature, f"{module}.{qualname}")
 
 
-__all__ = ["PRIVATE_CALLS", "SUPPORTED", "SUPPORTED_MEGATRON", "PatchSet", "around", "check_private_symbols",
-           "check_version", "is_patched"]
+__all__ = ["PRIVATE_CALLS", "check_private_symbols", "check_version"]

@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from ..patch_guard import PatchSet
 from .grads import (
     broadcast_mirrored_params, build_mirror_group, mark_mirror_copies_shared, tie_embeddings_locally,
 )
-from .guard import PatchSet
 from .schedule import DualPipeOptions
 from .support import configuration_problems, stage_map_for
 from .topology import DualPipeLayout, StageMap, stage_layer_types

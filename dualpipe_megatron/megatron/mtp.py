@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .guard import PatchSet
+from ..patch_guard import PatchSet
 
 PATCHES = PatchSet("MTP metrics")
 _recording: list[list] = []  # the active step's records (innermost last)

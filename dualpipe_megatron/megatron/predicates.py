@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 from megatron.core import parallel_state
 
-from .guard import PatchSet
+from ..patch_guard import PatchSet
 from .topology import StageMap
 
 _active: list[StageMap] = []  # entered around each step (innermost last)

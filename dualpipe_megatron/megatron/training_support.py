@@ -40,8 +40,9 @@ from typing import Any, Callable
 
 from ..schedules import ScheduleError, build_schedule
 from ..schedules.simulate import Costs, StageCosts
+from ..patch_guard import PatchSet, around
 from .auto_layout import auto_layout
-from .guard import PatchSet, around, check_version
+from .guard import check_version
 from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_ranks, prepare_model
 from .predicates import install_predicates, set_job_stage_map
 from .schedule import DualPipeOptions, make_forward_backward_func

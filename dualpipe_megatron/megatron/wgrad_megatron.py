@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..patch_guard import PatchSet
 from ..runtime.wgrad import WeightGradStore
-from .guard import PatchSet, check_version
+from .guard import check_version
 
 PATCHES = PatchSet("linear weight-grad deferral")
 # The full signature pins the ten inputs ``_backward`` returns a grad (or None) for.

@@ -26,10 +26,11 @@ from collections import deque
 from functools import partial
 from typing import Any, Callable
 
+from ..patch_guard import PatchSet
 from ..runtime.wgrad import WeightGradStore
 from ..schedules import B, Schedule, W
 from ..schedules.ir import halves
-from .guard import PatchSet, check_version
+from .guard import check_version
 
 PATCHES = PatchSet("delayed-wgrad deferral")
 _original: dict[str, Callable] = {}
