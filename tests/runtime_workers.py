@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -30,12 +29,6 @@ MICRO_ROWS = 2
 SEED = 1234
 
 # -- launching ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _leave_together(rank: int, world: int) -> None:
@@ -76,9 +69,11 @@ def launch(
 
     A rank in ``may_vanish`` (one that kills itself) may report nothing: its result is ``None``.
     """
+    from launcher import free_port  # here, not at the top: the ranks need not import pytest
+
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]
         for p in procs:
             p.start()
@@ -423,8 +418,15 @@ def compat_example(rank: int, world: int, variant: str) -> dict[str, Any]:
     else:
         x = l = want_loss = want_out = None
 
+    def check(ok: bool, detail: str) -> dict[str, Any]:
+        return {"ok": bool(ok), "detail": f"rank {rank}: {detail}"}
+
     loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(l,), return_outputs=False)
-    checks = {"loss": want_loss is None and loss is None or torch.equal(loss, want_loss), "outputs": outputs is None}
+    checks = {
+        "loss": check(want_loss is None and loss is None or torch.equal(loss, want_loss),
+                      f"training loss {loss} != reference {want_loss}"),
+        "outputs": check(outputs is None, "outputs returned though return_outputs=False"),
+    }
     if not v:
         # The example's all_gather_into_tensor, as a list all_gather (gloo's takes other shapes).
         for p0, p1 in zip(local_modules[0].parameters(), local_modules[1].parameters()):
@@ -435,15 +437,16 @@ def compat_example(rank: int, world: int, variant: str) -> dict[str, Any]:
             p0.grad += p1all[world - 1 - rank]
             p1.grad += p0all[world - 1 - rank]
     diffs = [cal_diff(p.grad, p_ref.grad) for p, p_ref in zip(local_modules.parameters(), local_full_modules.parameters())]
-    checks["grads"] = max(diffs) < 1e-13
+    checks["grads"] = check(max(diffs) < 1e-13, f"max grad diff {max(diffs):.3g} >= 1e-13")
     model.zero_grad()
     with torch.no_grad():
         loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(l,), return_outputs=True)
     if want_loss is None:
-        checks["inference"] = loss is None and outputs is None
+        same = loss is None and outputs is None
     else:
-        checks["inference"] = torch.equal(loss, want_loss) and torch.equal(outputs, want_out)
-    return {"checks": checks, "max_grad_diff": max(diffs)}
+        same = torch.equal(loss, want_loss) and torch.equal(outputs, want_out)
+    checks["inference"] = check(same, "forward-only loss or outputs differ from the reference")
+    return checks
 
 
 # -- failures ---------------------------------------------------------------------------------------------
