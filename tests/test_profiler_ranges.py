@@ -64,16 +64,40 @@ def launched() -> list[dict[str, Any]]:
     return rw.launch(WORLD, pw.profiled_steps, CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
-def test_runtime_step_ranges(case: dict[str, Any]) -> None:
+def per_rank(case: dict[str, Any]) -> list[tuple[int, dict[str, Any], list[str]]]:
+    """Each rank's result for ``case`` and the range names its training and forward-only steps should make."""
     sched = build_schedule(case["schedule"], WORLD, case["microbatches"])
-    for rank, results in enumerate(launched()):
-        got = results[case["id"]]
-        want = expected(sched, rank, False) + expected(sched, rank, True)
+    return [
+        (rank, results[case["id"]], expected(sched, rank, False) + expected(sched, rank, True))
+        for rank, results in enumerate(launched())
+    ]
+
+
+BY_CASE = pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+
+
+@BY_CASE
+def test_runtime_step_makes_no_range_with_profiler_off(case: dict[str, Any]) -> None:
+    for rank, got, _ in per_rank(case):
         assert got["made_off"] == 0, f"rank {rank}: ranges made with no profiler on"
+
+
+@BY_CASE
+def test_runtime_step_makes_one_range_per_executed_op(case: dict[str, Any]) -> None:
+    for rank, got, want in per_rank(case):
         assert got["made_on"] == len(want), f"rank {rank}"
-        assert_ranges(got["ranges"], want, f"rank {rank}")
+
+
+@BY_CASE
+def test_runtime_step_ranges_follow_the_op_order(case: dict[str, Any]) -> None:
+    for rank, got, want in per_rank(case):
         assert any(name.startswith(f"{PREFIX}FB") for name in want)
+        assert_ranges(got["ranges"], want, f"rank {rank}")
+
+
+@BY_CASE
+def test_runtime_step_calls_the_overlap_hook_only_when_set(case: dict[str, Any]) -> None:
+    for rank, got, _ in per_rank(case):
         assert (got["hook_calls"] > 0) == case["hook"], f"rank {rank}: overlap hook calls {got['hook_calls']}"
 
 
