@@ -223,6 +223,7 @@ def test_plugin_trains_dualpipev_without_runtime_patches(plugin_run: dict[str, A
         assert report["megatron_training"] == str(copy)
         assert report["get_model_file"] == str(copy / "training.py")  # Megatron's own get_model
         assert report["patched"] == []
+        assert report["eplb_patched"] == []  # no --eplb-* flag: EPLB left Megatron alone
         assert report["registered_plugin"] == "DualPipeSchedulePlugin"
         # train() and each evaluate() took their forward_backward_func from the plugin.
         schedules = report["plugin_schedules"]
@@ -237,6 +238,7 @@ def test_plugin_losses_equal_runtime_patch_losses(plugin_run: dict[str, Any],
         assert report["route"] == "runtime-patches"
         assert report["megatron_training"] == str(installed_megatron() / "training")
         assert report["patched"] == RUNTIME_PATCHED  # the check the plugin run passes is live
+        assert report["eplb_patched"] == []
     assert sorted(runtime_run["losses"]) == ITERATIONS, runtime_run["log"][-4000:]
     assert sorted(runtime_run["eval_losses"]) == EVALUATIONS, runtime_run["log"][-4000:]
     assert plugin_run["losses"] == runtime_run["losses"]

@@ -57,6 +57,7 @@ def main() -> None:
     runpy.run_path(script, run_name="__main__")
 
     import megatron.training.training as training
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 
     registered = None
     if upstream_plugin.has_extension_point():
@@ -68,6 +69,10 @@ def main() -> None:
         "get_model_file": inspect.getsourcefile(training.get_model),
         "patched": [f"{module}.{name}" for module, name in SCHEDULE_SYMBOLS
                     if is_patched(importlib.import_module(module), name)],
+        # EPLB's flags are registered, but its patches wait for an --eplb-* flag.
+        "eplb_patched": [name for owner, name in ((training, "train_step"), (training, "save_checkpoint"),
+                                                  (training, "load_checkpoint"), (MoEMetricsTracker, "report"))
+                         if is_patched(owner, name)],
         "registered_plugin": registered,
         "plugin_schedules": schedules,
     }

@@ -518,14 +518,26 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def install() -> None:
-    """Patch ``megatron.training`` for the ``--eplb-*`` flags (idempotent, version-checked); the
-    flags themselves go through the schedule's argument hooks (``register_arguments``)."""
+    """Register the ``--eplb-*`` flags with the schedule's argument hooks (idempotent,
+    version-checked). ``megatron.training`` is patched only once validated arguments set one
+    (:func:`_validate_and_patch`), so a job without EPLB runs Megatron's own functions."""
     check_version()
     check_private_symbols(PRIVATE_CALLS)
+    register_arguments(add_arguments, _validate_and_patch)
+
+
+def _validate_and_patch(args: argparse.Namespace) -> None:
+    validate(args)
+    if options_from_args(args).collecting:
+        install_patches()
+
+
+def install_patches() -> None:
+    """Patch ``megatron.training`` for EPLB (idempotent): the step, checkpoint save and load, and
+    the MoE metrics report."""
     from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
     from megatron.training import training
 
-    register_arguments(add_arguments, validate)
     for owner, name, hook in (
         (training, "train_step", _train_step),
         (training, "save_checkpoint", _save_checkpoint),

@@ -90,8 +90,9 @@ def register() -> DualPipeSchedulePlugin:
 
 def install_for_megatron() -> str:
     """Enable ``--pipeline-schedule`` the least invasive way this megatron allows: the plugin
-    where the extension point exists, else runtime patches; and the ``--eplb-*`` flags (their
-    own runtime patches either way). Returns ``"plugin"`` or ``"runtime-patches"``."""
+    where the extension point exists, else runtime patches; and the ``--eplb-*`` flags (EPLB's
+    own runtime patches follow, either way, only when one is set). Returns ``"plugin"`` or
+    ``"runtime-patches"``."""
     from ..eplb.training import install as install_eplb
 
     install_eplb()
