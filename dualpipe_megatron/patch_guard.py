@@ -149,6 +149,11 @@ class PatchSet:
     def is_patched(self, owner: Any, name: str) -> bool:
         return _holders.get((id(owner), name)) is self
 
+    def labels(self) -> list[str]:
+        """The qualified names this set holds now, in patch order: the record docs are checked
+        against."""
+        return [_label(owner, name) for owner, name, _ in self._saved.values()]
+
     def restore(self) -> None:
         """Put back exactly what each patch replaced, newest first (idempotent)."""
         for key, (owner, name, saved) in reversed(list(self._saved.items())):

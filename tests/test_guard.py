@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import types
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from dualpipe_megatron import patch_guard
-from dualpipe_megatron.megatron import cpu_compat, guard, training_support, wgrad_megatron, wgrad_te
+from dualpipe_megatron.megatron import cpu_compat, guard, predicates, training_support, wgrad_megatron, wgrad_te
 from dualpipe_megatron.patch_guard import PatchSet
 from dualpipe_megatron.megatron.model import (
     MIRROR_REPLICAS, save_mirror_copies_as_replicas, uninstall_mirror_replicas,
@@ -183,6 +184,16 @@ def test_installs_are_idempotent(subsystems: None) -> None:
     before = _state()["delayed"]
     wgrad_te.uninstall_delayed_wgrad_deferral()  # a second uninstall is a no-op too
     assert _state()["delayed"] is before
+
+
+def test_training_support_docstring_lists_exactly_what_install_patches(subsystems: None) -> None:
+    listed = training_support.__doc__.split("exactly these ten")[1].split("Building the model")[0]
+    documented = {name for pair in re.findall(r"^- ``([\w.]+)``(?: and ``([\w.]+)``)?", listed, re.M)
+                  for name in pair if name}
+    recorded = training_support.PATCHES.labels() + predicates.PATCHES.labels()
+    assert len(recorded) == len(documented) == 10, (recorded, documented)
+    for name in documented:
+        assert [label for label in recorded if label.endswith("." + name)] != [], f"{name} is not patched"
 
 
 class _Chunk(nn.Module):

@@ -1,6 +1,7 @@
 """``--pipeline-schedule`` for ``megatron.training``: the flag, its validation and the hooks.
 
-:func:`install` patches, once and guarded, exactly these eight call-time lookups:
+:func:`install` patches, once and guarded, exactly these ten call-time lookups
+(``tests/test_guard.py`` compares this list with the guard's record):
 
 - ``arguments.add_megatron_arguments``: adds the flag and our options (and those of features
   registered with :func:`register_arguments`: EPLB's ``--eplb-*``, checked after validation);
@@ -16,7 +17,10 @@
   schedule in a layout that cannot move (the distributed optimizer's default format);
 - ``parallel_state.is_pipeline_first_stage`` and ``parallel_state.is_pipeline_last_stage``
   (through :func:`install_predicates`): answer for our stage placement while a stage map is
-  active, and as Megatron's own otherwise.
+  active, and as Megatron's own otherwise;
+- ``multi_token_prediction.is_vp_last_stage`` and ``module.Float16Module.forward`` (also through
+  :func:`install_predicates`): while a stage map is active, the MTP block is built, and the fp32
+  output cast applied, at the chunks holding the last model stage.
 
 Building the model under our schedules adds, through :func:`prepare_model` (run by the
 ``get_model`` hook), the weight-gradient deferral patches of

@@ -6,9 +6,10 @@ plugin's hooks where :func:`training_support.install` would otherwise replace Me
 functions. :class:`DualPipeSchedulePlugin` implements those hooks with ``training_support``'s
 own logic, so both routes build, schedule and check exactly the same way.
 
-Only the two stage predicates (``megatron.core.parallel_state.is_pipeline_first_stage`` and
-``is_pipeline_last_stage``) are still replaced at runtime: they are megatron-core, not the
-training loop, and our schedule activates its stage map through them (``stage_map_active``).
+Still replaced at runtime, on the first ``stage_map_active``: the two stage predicates
+(``megatron.core.parallel_state.is_pipeline_first_stage`` and ``is_pipeline_last_stage``), MTP's
+``is_vp_last_stage`` and ``Float16Module.forward`` (``predicates.install_predicates``). They are
+megatron-core, not the training loop, and our schedule activates its stage map through them.
 """
 
 from __future__ import annotations
