@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..schedules.ir import Schedule
 
+
 class PlanMismatchError(RuntimeError):
     """The pipeline ranks built different schedules (raised on every rank, before any message)."""
 
