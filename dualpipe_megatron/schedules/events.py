@@ -1,0 +1,222 @@
+"""The events core: what each op kind needs and produces, and the one timer of op lists.
+
+An *event* is the completion of a single op: ``("F", key)``, ``("B", key)`` or ``("W", key)``.
+:data:`KINDS` is the one table of op kinds; the validator, the simulator, the optimizer, the
+layout search and the runtime's message order all read it (``docs/schedules.md``, "Adding an
+op kind", lists what else an op kind touches). API:
+
+- :func:`kind` (a single op's row), :func:`needs`, :func:`op_needs` and :func:`produces`: the
+  events a single op (or an FB, as its two halves) waits for and makes.
+- :func:`receives` and :func:`sends`: the cross-rank part under a schedule's placement, as
+  ``(event, peer rank)``; an event received is the producer's output (F: activations) or its
+  input grads (B) sent by the rank that made it.
+- :func:`live_change` and :func:`peak_live_activations`: the activations an op makes live when
+  it starts and frees when it ends (live from an F's start to its weight grad's end).
+- :class:`Encoder` turns ops into :class:`TimedOp` (integer events, a cost index, the p2p
+  latency on each cross-rank need); :func:`timing` times per-rank lists of them, event-driven,
+  in any number type (Fraction, int, float); :func:`peak` counts an encoded list's peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, NamedTuple, Optional, Protocol, Sequence
+
+from .ir import B, F, Key, Op, Schedule, W, halves
+
+Event = tuple[str, Key]
+Single = F | B | W
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One single-op kind: the event it makes, what it waits for, what it does to memory.
+
+    ``needs`` are ``(event kind, stage offset)`` at the same direction and micro-batch; a need
+    whose stage falls outside the pipeline (an F at stage 0, a B at the last stage) is dropped.
+    """
+
+    event: str
+    needs: tuple[tuple[str, int], ...]
+    starts: int  # activations it makes live when it starts
+    frees: int  # activations it frees when it ends
+
+
+KINDS: dict[str, Kind] = {
+    "F": Kind("F", (("F", -1),), 1, 0),
+    "B": Kind("B", (("F", 0), ("B", 1)), 0, 1),  # the full backward: input and weight grads
+    "B[w=false]": Kind("B", (("F", 0), ("B", 1)), 0, 0),  # input grads only, the weight grad left to W
+    "W": Kind("W", (("B", 0),), 0, 1),
+}
+
+
+def kind(half: Single) -> Kind:
+    """The row of ``half``'s kind in :data:`KINDS`."""
+    if isinstance(half, B):
+        return KINDS["B" if half.w else "B[w=false]"]
+    return KINDS[type(half).__name__]
+
+
+def needs(half: Single, stages: int) -> list[Event]:
+    """The events a single op waits for (the contract's dependency rules)."""
+    k = half.key
+    return [(name, Key(k.d, k.s + off, k.m)) for name, off in kind(half).needs if 0 <= k.s + off < stages]
+
+
+def op_needs(op: Op, stages: int) -> list[Event]:
+    """Events an op waits for; an FB's halves run together, so neither may feed the other."""
+    return [e for h in halves(op) for e in needs(h, stages)]
+
+
+def produces(op: Op) -> list[Event]:
+    return [(kind(h).event, h.key) for h in halves(op)]
+
+
+def _feeds(event: Event, stages: int) -> list[tuple[Kind, int]]:
+    """The kinds, with their stage, that may wait for ``event`` (:data:`KINDS` read backwards)."""
+    name, k = event
+    return [(row, k.s - off) for row in KINDS.values() for need, off in row.needs
+            if need == name and 0 <= k.s - off < stages]
+
+
+def receives(sched: Schedule, half: Single) -> list[tuple[Event, int]]:
+    """The events ``half`` waits for that another rank makes, as (event, source rank)."""
+    here = sched.rank_of(half.key.d, half.key.s)
+    found = [(e, sched.rank_of(e[1].d, e[1].s)) for e in needs(half, sched.stages)]
+    return [(e, src) for e, src in found if src != here]
+
+
+def sends(sched: Schedule, half: Single) -> list[tuple[Event, int]]:
+    """The event ``half`` makes, with each other rank whose ops may wait for it, as (event, destination)."""
+    k = half.key
+    here = sched.rank_of(k.d, k.s)
+    made = (kind(half).event, k)
+    peers = {sched.rank_of(k.d, s) for _, s in _feeds(made, sched.stages)} - {here}
+    return [(made, dst) for dst in sorted(peers)]
+
+
+def live_change(op: Op) -> tuple[int, int]:
+    """(activations made live when ``op`` starts, activations freed when it ends)."""
+    rows = [kind(h) for h in halves(op)]
+    return sum(r.starts for r in rows), sum(r.frees for r in rows)
+
+
+class _Live(Protocol):
+    starts: int
+    frees: int
+
+
+class _Change(NamedTuple):
+    starts: int
+    frees: int
+
+
+def peak(ops: Iterable[_Live]) -> int:
+    """Peak live activations along one rank's list (the count depends only on op order)."""
+    live = top = 0
+    for o in ops:
+        live += o.starts
+        if live > top:
+            top = live
+        live -= o.frees
+    return top
+
+
+def peak_live_activations(ops: Iterable[Op]) -> int:
+    """Peak count of (d,s,m) live on a rank: from its F's start until its weight grad is done."""
+    return peak(_Change(*live_change(op)) for op in ops)
+
+
+class TimedOp(NamedTuple):
+    """An op as :func:`timing` sees it: integer events, its duration's index, what it does to memory."""
+
+    cost: int  # index into timing()'s durations
+    needs: tuple[tuple[int, Any], ...]  # (event, latency added to it: the p2p latency when cross-rank)
+    makes: tuple[int, ...]
+    starts: int
+    frees: int
+    op: Op
+
+
+class Encoder:
+    """Integer events of one schedule's (direction, stage, micro-batch) and op encoding."""
+
+    def __init__(self, sched: Schedule) -> None:
+        self.stages, self.per = sched.stages, sched.microbatches_per_direction
+        self.placement = dict(sched.placement)
+        self._slot = {name: i for i, name in enumerate(sorted({row.event for row in KINDS.values()}))}
+        self.size = sched.directions * self.stages * self.per * len(self._slot)
+
+    def id(self, event: Event) -> int:
+        name, k = event
+        return ((k.d * self.stages + k.s) * self.per + k.m) * len(self._slot) + self._slot[name]
+
+    def encode(self, op: Op, cost: int, latency: Any, zero: Any = 0) -> TimedOp:
+        """``op`` with ``latency`` on each need made on another rank (``zero`` on the others)."""
+        first = halves(op)[0].key  # an FB's halves share a rank
+        here = self.placement[(first.d, first.s)]
+        need = tuple((self.id(e), latency if self.placement[(e[1].d, e[1].s)] != here else zero)
+                     for e in op_needs(op, self.stages))
+        return TimedOp(cost, need, tuple(self.id(e) for e in produces(op)), *live_change(op), op)
+
+
+class Timing(NamedTuple):
+    """One timed step. When ``complete`` is False a rank stalled (an invalid order): ``ran[r]``
+    ops of rank ``r`` ran and the other figures cover those only."""
+
+    complete: bool
+    ran: list[int]
+    start: list[list[Any]]  # start of every op, per rank
+    finish: list[Any]  # each rank's end
+    makespan: Any
+
+
+def timing(lists: Sequence[Sequence[TimedOp]], durations: Sequence[Any], events: int, zero: Any = 0) -> Timing:
+    """Time per-rank op lists: an op starts when its rank is free and every event it needs was
+    made (plus the latency encoded on that need); it ends ``durations[op.cost]`` later.
+
+    Event-driven: a rank runs until an op waits for an event not yet made, and resumes when it
+    is. ``events`` is the number of event ids (:attr:`Encoder.size`); ``zero`` the start time.
+    """
+    end: list[Any] = [None] * events  # None: not made yet
+    waiting: list[Optional[list[int]]] = [None] * events
+    cursor = [0] * len(lists)
+    free = [zero] * len(lists)
+    start = [[zero] * len(ops) for ops in lists]
+    todo = list(range(len(lists) - 1, -1, -1))
+    while todo:
+        r = todo.pop()
+        ops, i, t, at = lists[r], cursor[r], free[r], start[r]
+        n = len(ops)
+        while i < n:
+            o = ops[i]
+            s = t
+            for ev, lat in o.needs:
+                e = end[ev]
+                if e is None:
+                    break
+                e = e + lat
+                if e > s:
+                    s = e
+            else:
+                at[i] = s
+                t = s + durations[o.cost]
+                for ev in o.makes:
+                    end[ev] = t
+                    if waiting[ev] is not None:
+                        todo.extend(waiting[ev])
+                        waiting[ev] = None
+                i += 1
+                continue
+            if waiting[ev] is None:
+                waiting[ev] = [r]
+            else:
+                waiting[ev].append(r)
+            break
+        cursor[r], free[r] = i, t
+    complete = all(cursor[r] == len(ops) for r, ops in enumerate(lists))
+    return Timing(complete, cursor, start, free, max(free) if free else zero)
+
+
+__all__ = ["Encoder", "Event", "KINDS", "Kind", "TimedOp", "Timing", "kind", "live_change", "needs", "op_needs",
+           "peak", "peak_live_activations", "produces", "receives", "sends", "timing"]

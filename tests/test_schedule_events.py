@@ -1,0 +1,76 @@
+"""The events core: the op-kind table's rules, the cross-rank rules and the timer in three number types."""
+
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+
+from dualpipe_megatron.schedules import GENERATORS, build_schedule
+from dualpipe_megatron.schedules.events import (Encoder, live_change, needs, peak, peak_live_activations, produces,
+                                                receives, sends, timing)
+from dualpipe_megatron.schedules.ir import FB, B, F, Key, Schedule, W, halves
+
+
+def test_the_table_gives_the_contract_rules() -> None:
+    k = Key(1, 2, 3)
+    assert needs(F(k), 4) == [("F", Key(1, 1, 3))]
+    assert needs(F(Key(1, 0, 3)), 4) == []
+    assert needs(B(k), 4) == needs(B(k, False), 4) == [("F", k), ("B", Key(1, 3, 3))]
+    assert needs(B(Key(1, 3, 3)), 4) == [("F", Key(1, 3, 3))]
+    assert needs(W(k), 4) == [("B", k)]
+    assert produces(FB(F(k), B(Key(0, 1, 0), False))) == [("F", k), ("B", Key(0, 1, 0))]
+    assert [live_change(op) for op in (F(k), B(k), B(k, False), W(k), FB(F(k), B(k)))] == [
+        (1, 0), (0, 1), (0, 0), (0, 1), (1, 1)]
+    assert peak_live_activations([F(k), F(Key(1, 2, 4)), B(k, False), FB(F(Key(1, 2, 5)), B(Key(1, 2, 4))),
+                                  W(k)]) == 3
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_every_message_is_sent_once_and_received_once(name: str) -> None:
+    """What the halves receive is exactly what the halves send, (event, source, destination) each."""
+    for ranks in (2, 3, 4):
+        try:
+            sched = build_schedule(name, ranks, 4 * ranks)
+        except ValueError:
+            continue
+        sent, got = Counter(), Counter()
+        for rank, _, op in sched.iter_ops():
+            for h in halves(op):
+                sent.update((e, rank, dst) for e, dst in sends(sched, h))
+                got.update((e, src, rank) for e, src in receives(sched, h))
+        assert sent == got and max(sent.values()) == 1
+        assert sum(sent.values()) == sum(1 for r, _, op in sched.iter_ops() for h in halves(op)
+                                         for e in needs(h, sched.stages) if sched.rank_of(e[1].d, e[1].s) != r)
+
+
+def _two_rank(zero, one, latency) -> tuple[Schedule, list, list]:
+    sched = build_schedule("1f1b", 2, 2)
+    enc = Encoder(sched)
+    flat = [op for ops in sched.ops for op in ops]
+    durations = [one * (2 if isinstance(op, B) else 1) for op in flat]
+    lists, i = [], 0
+    for ops in sched.ops:
+        lists.append([enc.encode(op, i + j, latency, zero) for j, op in enumerate(ops)])
+        i += len(ops)
+    return sched, lists, durations
+
+
+@pytest.mark.parametrize("zero,one,latency", [(Fraction(0), Fraction(1), Fraction(1, 2)), (0, 2, 1),
+                                              (0.0, 1.0, 0.5)])
+def test_timer_in_three_number_types(zero, one, latency) -> None:
+    """1F1B, P=2, M=2, F = 1, B = 2 and c = 1/2 (times two in integers): the step is 10."""
+    sched, lists, durations = _two_rank(zero, one, latency)
+    t = timing(lists, durations, Encoder(sched).size, zero)
+    assert t.complete and t.ran == [4, 4]
+    assert t.makespan == 10 * one and type(t.makespan) is type(zero)
+    assert t.start[1] == [one + latency, 2 * one + latency, 4 * one + latency, 5 * one + latency]
+    assert [peak(ops) for ops in lists] == [2, 1]
+
+
+def test_a_stalled_order_is_reported_with_what_ran() -> None:
+    sched, lists, durations = _two_rank(0, 1, 0)
+    lists[1] = [lists[1][1], lists[1][0], *lists[1][2:]]  # rank 1 backs up micro-batch 0 before its forward
+    t = timing(lists, durations, Encoder(sched).size)
+    assert not t.complete and t.ran == [2, 0]
