@@ -163,7 +163,8 @@ def megatron_schedules(shape: GPTShape, pp: int) -> list[str]:
 
 def flop_costs(shape: GPTShape) -> Any:
     """The FLOP model's per-layer costs of this GPT (what ``--dualpipe-layout auto`` uses)."""
-    from dualpipe_megatron.schedules.layout import LayerCosts, ModelShape
+    from dualpipe_megatron.schedules.layout import LayerCosts
+    from dualpipe_megatron.schedules.model_shape import ModelShape
 
     return LayerCosts.from_shape(ModelShape(
         num_layers=shape.layers, hidden=shape.hidden, seq=shape.seq, vocab=shape.vocab, heads=shape.heads,

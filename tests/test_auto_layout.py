@@ -14,8 +14,9 @@ import pytest
 
 from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import ScheduleError
-from dualpipe_megatron.schedules.layout import (LayerCosts, ModelShape, _Search, best_layout, even_counts,
-                                                parse_moe_layer_freq, stage_costs_for)
+from dualpipe_megatron.schedules.layout import (LayerCosts, _Search, best_layout, even_counts, parse_moe_layer_freq,
+                                                stage_costs_for)
+from dualpipe_megatron.schedules.model_shape import ModelShape
 from dualpipe_megatron.schedules.registry import build_schedule
 from dualpipe_megatron.schedules.simulate import StageCost, simulate
 

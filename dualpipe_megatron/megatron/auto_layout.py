@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from ..schedules.ir import ScheduleError
-from ..schedules.layout import LayerCosts, ModelShape, best_layout
+from ..schedules.layout import LayerCosts, best_layout
+from ..schedules.model_shape import ModelShape
 
 
 def _ffn(args: argparse.Namespace) -> int:

@@ -26,8 +26,8 @@ from fractions import Fraction
 from typing import Callable, Protocol
 
 from ..schedules.ir import FB, B, F, Op, Schedule, ScheduleError, W, halves
-from ..schedules.layout import (LayerCosts, ModelShape, best_counts, even_counts, layout_string,
-                                stage_costs_for)
+from ..schedules.layout import LayerCosts, best_counts, even_counts, layout_string, stage_costs_for
+from ..schedules.model_shape import ModelShape
 from ..schedules.simulate import AnyCosts, StageCost, StageCosts
 from .costs import StageTimes, exposed_a2a, microseconds, schedule_costs
 from .count import ChunkCount

@@ -8,7 +8,8 @@ picks the contiguous split whose step, simulated with per-stage costs
 ``--dualpipe-layout``. Pure Python: no torch, no Megatron.
 
 Costs are per micro-batch, in any unit: FLOPs from the model's shape
-(:meth:`LayerCosts.from_shape`) or per-layer figures from a JSON file
+(:meth:`LayerCosts.from_shape`, counted as :mod:`.model_shape` documents: causal attention is
+the half of the square under the mask) or per-layer figures from a JSON file
 (:meth:`LayerCosts.from_json_obj`, e.g. measured).
 """
 
@@ -16,142 +17,17 @@ from __future__ import annotations
 
 import ast
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from .ir import Op, Schedule, ScheduleError, halves
+from .model_shape import ModelShape, cost_of, total
 from .registry import build_schedule
 from .simulate import STAGE_FIELDS, Number, StageCost, StageCosts, exact, simulate
 from .validate import op_needs, produces, validate
 
 SCHEDULES = ("dualpipev", "dualpipe")
-LOSS_FLOPS_PER_LOGIT = 4  # softmax cross-entropy: a few elementwise FLOPs per logit
-
-
-def _cost(F: Number, B: Number, W: Number) -> StageCost:
-    return StageCost(exact(F), exact(B), exact(W))
-
-
-def _sum(costs: Iterable[StageCost]) -> StageCost:
-    total = StageCost(Fraction(0), Fraction(0), Fraction(0))
-    for c in costs:
-        total = total + c
-    return total
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A GPT model as the FLOP model sees it; names follow Megatron's arguments.
-
-    ``moe_layer_freq`` is Megatron's: N (layer i is MoE when i % N == 0) or a 0/1 list per
-    layer; it applies only with ``experts``. ``q_lora_rank`` None: MLA without query compression.
-    """
-
-    num_layers: int
-    hidden: int
-    seq: int
-    vocab: int
-    ffn: int | None = None  # None: 4 x hidden
-    heads: int = 1
-    kv_channels: int | None = None  # None: hidden / heads
-    query_groups: int | None = None  # None: heads (no grouped-query attention)
-    gated: bool = False  # SwiGLU
-    micro_batch: int = 1
-    experts: int = 0
-    topk: int = 2
-    moe_ffn: int | None = None  # None: ffn
-    shared_ffn: int = 0
-    moe_layer_freq: int | tuple[int, ...] = 1
-    mtp_layers: int = 0
-    mla: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 32
-    qk_head_dim: int = 128
-    qk_pos_dim: int = 64
-    v_head_dim: int = 128
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value, least = getattr(self, f.name), 0 if f.name in ("experts", "shared_ffn", "mtp_layers") else 1
-            if type(value) is int and value < least:
-                raise ScheduleError(f"model shape: {f.name} must be >= {least}, got {value}")
-        if self.experts and self.topk > self.experts:
-            raise ScheduleError(f"model shape: top-k ({self.topk}) exceeds the {self.experts} experts")
-        if not self.mla and self.kv_channels is None and self.hidden % self.heads:
-            raise ScheduleError(f"model shape: hidden size {self.hidden} is not a multiple of {self.heads} heads")
-        self.moe_layers()  # the pattern fits the layers
-
-    def moe_layers(self) -> tuple[bool, ...]:
-        """Which decoder layers are MoE."""
-        n, freq = self.num_layers, self.moe_layer_freq
-        if not self.experts:
-            return (False,) * n
-        if isinstance(freq, int):
-            if freq < 1:
-                raise ScheduleError(f"model shape: moe_layer_freq must be >= 1, got {freq}")
-            return tuple(i % freq == 0 for i in range(n))
-        if len(freq) != n or any(v not in (0, 1) for v in freq):
-            raise ScheduleError(f"model shape: moe_layer_freq needs one 0/1 per layer ({n}), got {len(freq)} values")
-        return tuple(bool(v) for v in freq)
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch * self.seq
-
-    def _linear(self, n_in: int, n_out: int, tokens: int | None = None) -> StageCost:
-        """A weight matmul: B computes the input and the weight grads, each as costly as F."""
-        f = 2 * (tokens or self.tokens) * n_in * n_out
-        return _cost(f, 2 * f, f)
-
-    def _core(self, qk_dim: int, v_dim: int) -> StageCost:
-        """Causal attention scores and their weighting of values (half of the full square); no weights."""
-        f = self.micro_batch * self.heads * self.seq * self.seq * (qk_dim + v_dim)
-        return _cost(f, 2 * f, 0)
-
-    def _attention(self) -> StageCost:
-        h, a = self.hidden, self.heads
-        if self.mla:
-            qk = self.qk_head_dim + self.qk_pos_dim
-            q = ([self._linear(h, self.q_lora_rank), self._linear(self.q_lora_rank, a * qk)]
-                 if self.q_lora_rank else [self._linear(h, a * qk)])
-            return _sum([*q, self._linear(h, self.kv_lora_rank + self.qk_pos_dim),
-                         self._linear(self.kv_lora_rank, a * (self.qk_head_dim + self.v_head_dim)),
-                         self._core(qk, self.v_head_dim), self._linear(a * self.v_head_dim, h)])
-        d = self.kv_channels or h // a
-        g = self.query_groups or a
-        return _sum([self._linear(h, (a + 2 * g) * d), self._core(d, d), self._linear(a * d, h)])
-
-    def _mlp(self, width: int, tokens: int | None = None) -> StageCost:
-        up = width * (2 if self.gated else 1)
-        return _sum([self._linear(self.hidden, up, tokens), self._linear(width, self.hidden, tokens)])
-
-    def decoder(self, moe: bool) -> StageCost:
-        """One transformer layer: attention, then a dense MLP or the router, the top-k routed
-        experts each token visits (balanced over expert-parallel ranks) and the shared experts."""
-        ffn = self.ffn or 4 * self.hidden
-        if not moe:
-            return _sum([self._attention(), self._mlp(ffn)])
-        parts = [self._attention(), self._linear(self.hidden, self.experts),
-                 self._mlp(self.moe_ffn or ffn, self.tokens * self.topk)]
-        if self.shared_ffn:
-            parts.append(self._mlp(self.shared_ffn))
-        return _sum(parts)
-
-    def embedding(self) -> StageCost:
-        """A table lookup, memory-bound: tiny next to any matmul, its grad accumulated in B."""
-        f = self.tokens * self.hidden
-        return _cost(f, f, 0)
-
-    def output_and_loss(self) -> StageCost:
-        f = LOSS_FLOPS_PER_LOGIT * self.tokens * self.vocab
-        return _sum([self._linear(self.hidden, self.vocab), _cost(f, 2 * f, 0)])
-
-    def mtp(self, moe: bool) -> StageCost:
-        """An MTP module: its embedding lookup, the projection of [hidden; embedding], a transformer
-        layer like the model's last one, and its own output layer and loss."""
-        return _sum([self.embedding(), self._linear(2 * self.hidden, self.hidden), self.decoder(moe),
-                     self.output_and_loss()])
 
 
 @dataclass(frozen=True)
@@ -191,7 +67,7 @@ class LayerCosts:
     def from_json_obj(cls, obj: Any) -> "LayerCosts":
         def one(entry: Any, name: str) -> StageCost:
             try:
-                return _cost(entry["F"], entry["B"], entry["W"])
+                return cost_of(entry["F"], entry["B"], entry["W"])
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
                 raise ScheduleError(f"layer costs: bad {name} {entry!r} ({exc})") from None
 
@@ -224,7 +100,7 @@ class LayerCosts:
             parts.insert(0, self.embedding)
         if stage == len(counts) - 1:
             parts += [*self.mtp, self.loss]
-        return _sum(parts)
+        return total(parts)
 
 
 def parse_moe_layer_freq(text: str) -> int | tuple[int, ...]:
@@ -375,7 +251,7 @@ class _Search:
             return tuple(int(getattr(cost, f) * unit) for f in STAGE_FIELDS)
 
         self.head = ints(lc.embedding)
-        self.tail = ints(_sum([*lc.mtp, lc.loss]))
+        self.tail = ints(total([*lc.mtp, lc.loss]))
         self.prefix: list[tuple[int, ...]] = [(0,) * len(STAGE_FIELDS)]
         for cost in lc.decoder:
             self.prefix.append(tuple(a + b for a, b in zip(self.prefix[-1], ints(cost))))
@@ -484,5 +360,5 @@ def best_layout(schedule: str, ranks: int, microbatches: int, layer_costs: Layer
     return layout_string(counts, len(layer_costs.mtp)), costs, simulate(sched, costs).makespan
 
 
-__all__ = ["LayerCosts", "ModelShape", "SCHEDULES", "best_counts", "best_layout", "even_counts", "layout_string",
+__all__ = ["LayerCosts", "SCHEDULES", "best_counts", "best_layout", "even_counts", "layout_string",
            "parse_moe_layer_freq", "stage_costs_for"]

@@ -9,8 +9,9 @@ from fractions import Fraction
 from pathlib import Path
 
 from .ir import ScheduleError
-from .layout import (SCHEDULES, LayerCosts, ModelShape, best_layout, even_counts, layout_string,
+from .layout import (SCHEDULES, LayerCosts, best_layout, even_counts, layout_string,
                      parse_moe_layer_freq, stage_costs_for)
+from .model_shape import ModelShape
 from .registry import build_schedule
 from .simulate import StageCosts, simulate
 
