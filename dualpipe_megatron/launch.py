@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no such script: {script}", file=sys.stderr)
         return 2
     from .megatron.cpu_compat import install_cpu_compat
-    from .megatron.upstream_plugin import install_for_megatron
+    from .routes import install_for_megatron
 
     install_cpu_compat()
     install_for_megatron()

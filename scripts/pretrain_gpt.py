@@ -176,7 +176,7 @@ def main() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-    from dualpipe_megatron.megatron.upstream_plugin import install_for_megatron
+    from dualpipe_megatron.routes import install_for_megatron
 
     install_cpu_compat()  # a no-op where CUDA exists
     install_for_megatron()

@@ -99,7 +99,7 @@ def _import_once() -> None:
 def launch(nproc: int, port: str, args: list[str]) -> int:
     """Install our hooks, fork the ranks and wait for them; the first failure's exit code."""
     from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-    from dualpipe_megatron.megatron.upstream_plugin import install_for_megatron
+    from dualpipe_megatron.routes import install_for_megatron
 
     install_cpu_compat()
     install_for_megatron()

@@ -1,7 +1,7 @@
 """One rank of a test training run: ``upstream_driver.py MODE SCRIPT [megatron flags...]``.
 
 Installs the CPU layer, then enables ``--pipeline-schedule`` per MODE (``auto``:
-``upstream_plugin.install_for_megatron()``; ``none``: nothing), runs the stock SCRIPT as
+``routes.install_for_megatron()``; ``none``: nothing), runs the stock SCRIPT as
 ``__main__`` and prints one ``UPSTREAM_REPORT {json}`` line saying which megatron ran, which
 schedule symbols were replaced at runtime and which forward_backward_func the plugin supplied.
 """
@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat  # noqa: E402
 from dualpipe_megatron.patch_guard import is_patched  # noqa: E402
+from dualpipe_megatron import routes  # noqa: E402
 from dualpipe_megatron.megatron import upstream_plugin  # noqa: E402
 
 # What training_support.install() replaces, besides the core stage predicates.
@@ -50,7 +51,7 @@ def main() -> None:
     install_cpu_compat()
     route, schedules = "none", []
     if mode == "auto":
-        route = upstream_plugin.install_for_megatron()
+        route = routes.install_for_megatron()
         if route == "plugin":
             _record_schedules(upstream_plugin.PLUGIN, schedules)
     sys.argv = [script, *flags]

@@ -4,7 +4,9 @@
 ``megatron.training.schedule_plugins`` to megatron-core: the training loop calls a registered
 plugin's hooks where :func:`training_support.install` would otherwise replace Megatron
 functions. :class:`DualPipeSchedulePlugin` implements those hooks with ``training_support``'s
-own logic, so both routes build, schedule and check exactly the same way.
+own logic, so both routes build, schedule and check exactly the same way. To pick the route
+this megatron allows, call :func:`dualpipe_megatron.routes.install_for_megatron` (it also
+registers EPLB's flags, which this module must not import).
 
 Still replaced at runtime, on the first ``stage_map_active``: the two stage predicates
 (``megatron.core.parallel_state.is_pipeline_first_stage`` and ``is_pipeline_last_stage``), MTP's
@@ -22,7 +24,7 @@ from .guard import check_version
 from .model import chunk_roles, embedding_ranks, prepare_model
 from .schedule import make_forward_backward_func
 from .training_support import (
-    activate_job_stage_map, active_options, add_arguments, check_checkpoint_schedule, install,
+    activate_job_stage_map, active_options, add_arguments, check_checkpoint_schedule,
     pipeline_position, post_validate, pre_validate,
 )
 
@@ -89,20 +91,4 @@ def register() -> DualPipeSchedulePlugin:
     return PLUGIN
 
 
-def install_for_megatron() -> str:
-    """Enable ``--pipeline-schedule`` the least invasive way this megatron allows: the plugin
-    where the extension point exists, else runtime patches; and the ``--eplb-*`` flags (EPLB's
-    own runtime patches follow, either way, only when one is set). Returns ``"plugin"`` or
-    ``"runtime-patches"``."""
-    from ..eplb.training import install as install_eplb
-
-    install_eplb()
-    if has_extension_point():
-        register()
-        return "plugin"
-    install()
-    return "runtime-patches"
-
-
-__all__ = ["EXTENSION_POINT", "PLUGIN", "DualPipeSchedulePlugin", "has_extension_point",
-           "install_for_megatron", "register"]
+__all__ = ["EXTENSION_POINT", "PLUGIN", "DualPipeSchedulePlugin", "has_extension_point", "register"]
