@@ -1,7 +1,19 @@
-"""The package's import structure: every module imports on its own, and no import cycles.
+"""The package's import structure: every module imports on its own, no import cycles, layers.
 
 Cycles are found statically from every ``import`` statement, including the ones inside
-functions (a lazy import hides a cycle from a single import test but not from a reader).
+functions (a lazy import hides a cycle from a single import test but not from a reader):
+between modules, and between sub-packages (each top-level module counts as one), where
+``megatron`` and ``eplb`` once imported each other through a lazy import.
+
+The sub-packages form layers, lowest first; a layer imports only from layers below it:
+
+1. ``schedules`` (the schedule IR and its tools) and ``patch_guard``: no other sub-package;
+2. ``runtime``: the executor, p2p, strict mode;
+3. ``compat`` (DeepSeek's API) and ``trace``: clients of the runtime;
+4. ``megatron`` (the adapter, which records traces) and ``projection``;
+5. ``eplb``: hooks into the adapter's argument hooks and gradient path;
+6. entry points, which may also import one another: ``routes`` (above ``megatron`` and
+   ``eplb``), ``launch``, ``launch_plan``, ``launch_memory``, ``demo``.
 """
 
 from __future__ import annotations
@@ -15,6 +27,15 @@ import dualpipe_megatron
 
 PACKAGE = Path(dualpipe_megatron.__file__).parent
 SKIP = {"dualpipe_megatron.__main__"}
+LAYERS = [
+    {"", "schedules", "patch_guard"},  # "": the package's own __init__
+    {"runtime"},
+    {"compat", "trace"},
+    {"megatron", "projection"},
+    {"eplb"},
+    {"routes", "launch", "launch_plan", "launch_memory", "demo"},
+]
+ENTRY_POINTS = LAYERS[-1]
 
 
 def _modules() -> dict[str, Path]:
@@ -90,12 +111,47 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
+def _part(module: str) -> str:
+    """The sub-package (or top-level module) ``module`` belongs to; "" for the package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _sub_package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` collapsed onto sub-packages: A -> B when any module of A imports one of B."""
+    collapsed: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        collapsed.setdefault(_part(module), set()).update(_part(t) for t in targets)
+    return {part: targets - {part} for part, targets in collapsed.items()}
+
+
 def test_no_import_cycles() -> None:
     assert _cycles(_graph()) == []
 
 
+def test_no_import_cycles_between_sub_packages() -> None:
+    assert _cycles(_sub_package_graph(_graph())) == []
+
+
 def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_cycle_through_lazy_imports_of_two_sub_packages_is_found() -> None:
+    """Module-level acyclic (x -> y, z -> w) but a cycle between sub-packages ``a`` and ``b``."""
+    graph = {"p.a.x": {"p.b.y"}, "p.b.y": set(), "p.b.z": {"p.a.w"}, "p.a.w": set()}
+    assert _cycles(graph) == []
+    assert _cycles(_sub_package_graph(graph)) == [["a", "b"]]
+
+
+def test_sub_packages_import_only_lower_layers() -> None:
+    layer = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    graph = _sub_package_graph(_graph())
+    assert sorted(set(graph) - set(layer)) == [], "place every sub-package in LAYERS"
+    upward = sorted(f"{part} -> {target}" for part, targets in graph.items() if part
+                    for target in targets if layer[target] >= layer[part]
+                    and not (part in ENTRY_POINTS and target in ENTRY_POINTS))
+    assert upward == [], "imports against the layer order (see this module's docstring)"
 
 
 def test_every_module_imports_first() -> None:
