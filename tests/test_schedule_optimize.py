@@ -10,7 +10,8 @@ import pytest
 
 from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulate, validate
 from dualpipe_megatron.schedules.optimize import optimize_order
-from dualpipe_megatron.schedules.simulate import StageCost, StageCosts, peak_live_activations
+from dualpipe_megatron.schedules.events import peak_live_activations
+from dualpipe_megatron.schedules.simulate import StageCost, StageCosts
 
 SETTINGS = ("a", "b", "c")
 

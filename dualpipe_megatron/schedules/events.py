@@ -144,6 +144,9 @@ class Encoder:
     def __init__(self, sched: Schedule) -> None:
         self.stages, self.per = sched.stages, sched.microbatches_per_direction
         self.placement = dict(sched.placement)
+        for rank, _, op in sched.iter_ops():  # a stage left out of the placement is where its ops run
+            for h in halves(op):
+                self.placement.setdefault((h.key.d, h.key.s), rank)
         self._slot = {name: i for i, name in enumerate(sorted({row.event for row in KINDS.values()}))}
         self.size = sched.directions * self.stages * self.per * len(self._slot)
 

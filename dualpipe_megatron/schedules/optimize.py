@@ -15,32 +15,21 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
+from .events import KINDS, Encoder, TimedOp, Timing, live_change, peak, peak_live_activations, timing
 from .ir import B, F, FB, Key, Op, Schedule, W, halves
-from .simulate import AnyCosts, StageCosts, peak_live_activations, simulate
-from .validate import op_needs, produces
+from .simulate import AnyCosts, StageCosts, simulate
 
 INF = float("inf")
 # Local-search evaluations per candidate scale as this many op-simulations (bounded below/above).
 _SEARCH_WORK = 400_000
 _MIN_EVALS, _MAX_EVALS = 60, 2000
-_KIND = {"F": 0, "B": 1, "W": 2}  # event kinds of validate's events, as ints
-
-
-class _Op(NamedTuple):
-    """An op as the float simulator sees it; events are ints (see :meth:`_Model.event`)."""
-
-    dur: float
-    needs: tuple[tuple[int, float], ...]  # (event, p2p latency)
-    makes: tuple[int, ...]
-    forwards: int  # activations it adds when it starts
-    frees: int  # activations it frees when it ends
-    op: Op
 
 
 class _Model:
-    """Float costs of one schedule's stages and the op encoding the search works on."""
+    """Float costs of one schedule's stages and the op encoding the search works on: each op
+    encoded once (:class:`~.events.TimedOp`), its float duration at ``durations[op.cost]``."""
 
     def __init__(self, sched: Schedule, costs: AnyCosts) -> None:
         self.ranks, self.stages = sched.ranks, sched.stages
@@ -62,27 +51,22 @@ class _Model:
         self.F = {ds: float(v.F) for ds, v in table.items()}
         self.B = {ds: float(v.B) for ds, v in table.items()}
         self.W = {ds: float(v.W) for ds, v in table.items()}
-        self.events = sched.directions * self.stages * self.per * 3
-        self._cache: dict[Op, _Op] = {}
+        self.encoder = Encoder(sched)
+        self.durations: list[float] = []
+        self._cache: dict[Op, TimedOp] = {}
 
-    def event(self, kind: str, k: Key) -> int:
-        return ((k.d * self.stages + k.s) * self.per + k.m) * 3 + _KIND[kind]
-
-    def enc(self, op: Op) -> _Op:
-        """The op's events and costs, its dependencies by the validator's rules."""
+    def enc(self, op: Op) -> TimedOp:
+        """The op's events and cost, its dependencies by the events core's rules."""
         got = self._cache.get(op)
-        if got is not None:
-            return got
-        parts = halves(op)
-        here = self.rank[(parts[0].key.d, parts[0].key.s)]  # an FB's halves share a rank
-        needs = tuple((self.event(kind, k), self.c if self.rank[(k.d, k.s)] != here else 0.0)
-                      for kind, k in op_needs(op, self.stages))
-        makes = tuple(self.event(kind, k) for kind, k in produces(op))
-        forwards = sum(isinstance(h, F) for h in parts)
-        frees = sum(h.w if isinstance(h, B) else isinstance(h, W) for h in parts)
-        got = _Op(self.duration(op), needs, makes, forwards, frees, op)
-        self._cache[op] = got
+        if got is None:
+            got = self._cache[op] = self.encoder.encode(op, len(self.durations), self.c, 0.0)
+            self.durations.append(self.duration(op))
         return got
+
+    def time(self, lists: "Lists") -> Optional[Timing]:
+        """Float timing with simulate()'s rules; None when the order is invalid (a rank stalls)."""
+        t = timing(lists, self.durations, self.encoder.size, 0.0)
+        return t if t.complete else None
 
     def duration(self, op: Op) -> float:
         if isinstance(op, FB):
@@ -96,68 +80,10 @@ class _Model:
         return self.W[ds]
 
 
-Lists = list[list[_Op]]
+Lists = list[list[TimedOp]]
 
 
-class _Timing(NamedTuple):
-    finish: list[float]
-    makespan: float
-    start: list[list[float]]
-
-
-def _peak(ops: list[_Op]) -> int:
-    live = peak = 0
-    for o in ops:
-        live += o.forwards
-        peak = max(peak, live)
-        live -= o.frees
-    return peak
-
-
-def _time(model: _Model, lists: Lists) -> Optional[_Timing]:
-    """Float timing with simulate()'s rules; None when the order is invalid (a rank stalls)."""
-    end = [-1.0] * model.events  # -1: not produced yet
-    waiting: list[Optional[list[int]]] = [None] * model.events
-    cursor = [0] * len(lists)
-    free = [0.0] * len(lists)
-    start = [[0.0] * len(ops) for ops in lists]
-    todo = list(range(len(lists) - 1, -1, -1))
-    while todo:
-        r = todo.pop()
-        ops, i, t, at = lists[r], cursor[r], free[r], start[r]
-        n = len(ops)
-        while i < n:
-            o = ops[i]
-            s = t
-            for ev, lat in o.needs:
-                e = end[ev]
-                if e < 0.0:
-                    break
-                e += lat
-                if e > s:
-                    s = e
-            else:
-                at[i] = s
-                t = s + o.dur
-                for ev in o.makes:
-                    end[ev] = t
-                    if waiting[ev] is not None:
-                        todo.extend(waiting[ev])
-                        waiting[ev] = None
-                i += 1
-                continue
-            if waiting[ev] is None:
-                waiting[ev] = [r]
-            else:
-                waiting[ev].append(r)
-            break
-        cursor[r], free[r] = i, t
-    if any(cursor[r] != len(ops) for r, ops in enumerate(lists)):
-        return None
-    return _Timing(free, max(free), start)
-
-
-def _score(t: _Timing) -> tuple[float, float]:
+def _score(t: Timing) -> tuple[float, float]:
     """Makespan first; the sum of all start times breaks ties, so that near-critical paths shrink too."""
     return t.makespan, sum(map(sum, t.start))
 
@@ -253,7 +179,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
                     continue
                 if at > now:
                     soonest = min(soonest, at)
-                elif into is fs and live[r] + 1 > caps[r]:
+                elif into is fs and live[r] + KINDS["F"].starts > caps[r]:
                     blocked = True
                 else:
                     into.append((at, (d, s), m))
@@ -279,10 +205,11 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
         clock[r] = wake[r] = end = max(clock[r], at) + model.duration(op)
         heapq.heappush(heap, (end, r))
         out[r].append(op)
+        starts, frees = live_change(op)
+        live[r] += starts - frees
         for h in halves(op):
             k, ds = h.key, (h.key.d, h.key.s)
             if isinstance(h, F):
-                live[r] += 1
                 next_f[ds] += 1
                 left[r] -= 1
                 f_end[(k.d, k.s, k.m)] = end
@@ -295,12 +222,8 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
                 b_end[(k.d, k.s, k.m)] = end
                 if k.s > 0:
                     notify((k.d, k.s - 1), end + lat(ds, rank[(k.d, k.s - 1)]))
-                if h.w:
-                    live[r] -= 1
-                else:
+                if not h.w:
                     pending[r].append(k)
-            else:
-                live[r] -= 1
     if any(left) or any(pending):
         return None  # a rank stalled for memory
     return out
@@ -309,7 +232,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
 # -- local search on the critical path --------------------------------------------------------
 
 
-def _critical_path(lists: Lists, t: _Timing) -> list[tuple[int, int]]:
+def _critical_path(model: _Model, lists: Lists, t: Timing) -> list[tuple[int, int]]:
     """(rank, index) of the ops on one critical path, last op first."""
     where = {ev: (r, i) for r, ops in enumerate(lists) for i, o in enumerate(ops) for ev in o.makes}
     r = max(range(len(lists)), key=lambda x: (t.finish[x], -x))
@@ -323,7 +246,7 @@ def _critical_path(lists: Lists, t: _Timing) -> list[tuple[int, int]]:
             break
         for ev, lat in lists[r][i].needs:
             pr, pi = where[ev]
-            if abs(t.start[pr][pi] + lists[pr][pi].dur + lat - begin) <= tol:
+            if abs(t.start[pr][pi] + model.durations[lists[pr][pi].cost] + lat - begin) <= tol:
                 r, i = pr, pi
                 break
         else:
@@ -331,7 +254,7 @@ def _critical_path(lists: Lists, t: _Timing) -> list[tuple[int, int]]:
     return path
 
 
-def _moves(model: _Model, ops: list[_Op], i: int):
+def _moves(model: _Model, ops: list[TimedOp], i: int):
     """Changed op lists of one rank that may shorten the critical path through op ``i``."""
     enc, cur = model.enc, ops[i].op
     if i > 0:
@@ -371,21 +294,21 @@ def _moves(model: _Model, ops: list[_Op], i: int):
                 yield ops[:lo] + [enc(FB(b, a))] + ops[lo + 2:]
 
 
-def _local_search(model: _Model, lists: Lists, caps: list[int], budget: int) -> tuple[Lists, _Timing]:
+def _local_search(model: _Model, lists: Lists, caps: list[int], budget: int) -> tuple[Lists, Timing]:
     """First-improvement descent over :func:`_moves` along the critical path."""
-    t = _time(model, lists)
+    t = model.time(lists)
     assert t is not None
     best = _score(t)
     evals, improved = 0, True
     while improved and evals < budget:
         improved = False
-        for r, i in _critical_path(lists, t):
+        for r, i in _critical_path(model, lists, t):
             for changed in _moves(model, lists[r], i):
-                if _peak(changed) > caps[r]:
+                if peak(changed) > caps[r]:
                     continue
                 evals += 1
                 old, lists[r] = lists[r], changed
-                trial = _time(model, lists)
+                trial = model.time(lists)
                 if trial is not None and _score(trial) < best:
                     t, best, improved = trial, _score(trial), True
                     break
@@ -416,8 +339,8 @@ def optimize_order(sched: Schedule, costs: AnyCosts) -> Schedule:
         if order is None:
             continue
         lists = [[model.enc(op) for op in ops] for ops in order]
-        t = _time(model, lists)
-        if t is not None and all(_peak(o) <= cap for o, cap in zip(lists, caps)):
+        t = model.time(lists)
+        if t is not None and all(peak(o) <= cap for o, cap in zip(lists, caps)):
             built.append((_score(t), lists))
     if built:
         seeds.append(min(built, key=lambda x: x[0])[1])

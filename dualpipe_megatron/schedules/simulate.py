@@ -1,8 +1,9 @@
 """Exact-arithmetic timing of a schedule under the contract's cost model.
 
 Each op starts when its rank is free and its inputs have arrived (the
-producer's end, plus the p2p latency ``c`` when the producer is another rank).
-Times are :class:`fractions.Fraction`, so formulas can be checked exactly.
+producer's end, plus the p2p latency ``c`` when the producer is another rank):
+the events core's timer (:func:`~.events.timing`). Times are
+:class:`fractions.Fraction`, so formulas can be checked exactly.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from fractions import Fraction
 from numbers import Rational
 from typing import Union
 
-from .ir import FB, B, F, Op, Schedule, ScheduleError, W, halves
-from .validate import Event, op_needs, produces, validate
+from .events import Encoder, peak, timing
+from .ir import FB, B, F, Op, Schedule, ScheduleError, W
+from .validate import validate
 
 Number = Union[int, float, str, Fraction]
 
@@ -221,54 +223,34 @@ class SimResult:
         return max(Fraction(s.stages, per_copy) for s in self.per_rank)
 
 
-def peak_live_activations(ops: list[Op]) -> int:
-    """Peak count of (d,s,m) live on a rank: from its F's start until its weight grad is done.
-
-    A rank runs its ops one at a time, so the count depends only on op order.
-    """
-    live = peak = 0
-    for op in ops:
-        live += sum(isinstance(h, F) for h in halves(op))
-        peak = max(peak, live)
-        live -= sum(isinstance(h, W) or (isinstance(h, B) and h.w) for h in halves(op))
-    return peak
-
-
 def simulate(sched: Schedule, costs: AnyCosts) -> SimResult:
     """Validate ``sched`` and time it; raises if the schedule is invalid."""
-    order = validate(sched)
+    validate(sched)
     if isinstance(costs, StageCosts):
         costs.check_covers(sched)
-    start = [[Fraction(0)] * len(ops) for ops in sched.ops]
-    end = [[Fraction(0)] * len(ops) for ops in sched.ops]
-    made: dict[Event, tuple[int, Fraction]] = {}
-    free = [Fraction(0)] * sched.ranks
-    for rank, index in order:
-        op = sched.ops[rank][index]
-        ready = free[rank]
-        for event in op_needs(op, sched.stages):
-            src, t = made[event]
-            ready = max(ready, t + (costs.c if src != rank else 0))
-        start[rank][index] = ready
-        end[rank][index] = free[rank] = ready + costs.duration(op)
-        for event in produces(op):
-            made[event] = (rank, end[rank][index])
-    makespan = max(free)
+    encoder, zero = Encoder(sched), Fraction(0)
+    durations: list[Fraction] = []
+    lists = []
+    for ops in sched.ops:
+        lists.append([encoder.encode(op, len(durations) + i, costs.c, zero) for i, op in enumerate(ops)])
+        durations += [costs.duration(op) for op in ops]
+    timed = timing(lists, durations, encoder.size, zero)
+    end = [[t + durations[o.cost] for t, o in zip(starts, row)] for starts, row in zip(timed.start, lists)]
     per_rank = []
-    for rank, ops in enumerate(sched.ops):
-        busy = sum((costs.duration(op) for op in ops), Fraction(0))
+    for rank, row in enumerate(lists):
+        busy = sum((durations[o.cost] for o in row), zero)
         per_rank.append(
             RankStats(
                 rank=rank,
                 busy=busy,
-                bubble=makespan - busy,
-                peak_activations=peak_live_activations(ops),
+                bubble=timed.makespan - busy,
+                peak_activations=peak(row),
                 stages=len(sched.stages_on(rank)),
-                ops=len(ops),
+                ops=len(row),
             )
         )
-    return SimResult(sched, costs, makespan, start, end, per_rank)
+    return SimResult(sched, costs, timed.makespan, timed.start, end, per_rank)
 
 
 __all__ = ["AnyCosts", "Costs", "RankStats", "STAGE_FIELDS", "SimResult", "StageCost", "StageCosts", "exact",
-           "peak_live_activations", "simulate"]
+           "simulate"]

@@ -1,46 +1,19 @@
 """Schedule validator: completeness, placement, dependencies and deadlock freedom.
 
-:func:`replay` runs the op lists without time, each rank in its own order, and
-returns the order in which ops can complete; the simulator times that order.
+What each op needs and produces is the events core's (:mod:`.events`); :func:`replay`
+runs the op lists on its timer at unit costs and returns an order in which the ops
+can complete.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from .ir import B, F, Key, Op, Schedule, ScheduleError, W, halves
-
-# What a single op produces: ("F", key), ("B", key) or ("W", key).
-Event = tuple[str, Key]
+from .events import Encoder, Event, kind, op_needs, produces, timing
+from .ir import B, Key, Schedule, ScheduleError, W, halves
 
 
 class ValidationError(ScheduleError):
     """A schedule that breaks the contract; the message names the first offending op."""
-
-
-def _kind(half: F | B | W) -> str:
-    return type(half).__name__
-
-
-def needs(half: F | B | W, stages: int) -> list[Event]:
-    """The events a single op waits for (the contract's dependency rules)."""
-    key = half.key
-    if isinstance(half, F):
-        return [("F", Key(key.d, key.s - 1, key.m))] if key.s > 0 else []
-    if isinstance(half, B):
-        deps: list[Event] = [("F", key)]
-        if key.s < stages - 1:
-            deps.append(("B", Key(key.d, key.s + 1, key.m)))
-        return deps
-    return [("B", key)]
-
-
-def op_needs(op: Op, stages: int) -> list[Event]:
-    """Events an op waits for; an FB's halves run together, so neither may feed the other."""
-    return [e for h in halves(op) for e in needs(h, stages)]
-
-
-def produces(op: Op) -> list[Event]:
-    return [(_kind(h), h.key) for h in halves(op)]
 
 
 def _where(sched: Schedule, rank: int, index: int) -> str:
@@ -78,7 +51,7 @@ def check_structure(sched: Schedule) -> None:
                     f"{_where(sched, rank, index)}: stage (d={k.d},s={k.s}) is on two ranks "
                     f"(also {_where(sched, *first)})"
                 )
-            event = (_kind(half), k)
+            event = (kind(half).event, k)
             seen[event] += 1
             if seen[event] > 1:
                 raise ValidationError(f"{_where(sched, rank, index)}: duplicate {half}")
@@ -93,15 +66,16 @@ def check_structure(sched: Schedule) -> None:
         for s in range(sched.stages):
             for m in range(per_dir):
                 k = Key(d, s, m)
-                for kind in ("F", "B"):
-                    if not seen[(kind, k)]:
-                        raise ValidationError(f"missing {kind}{k}")
+                for name in ("F", "B"):
+                    if not seen[(name, k)]:
+                        raise ValidationError(f"missing {name}{k}")
                 if k in w_false and not seen[("W", k)]:
                     raise ValidationError(f"missing W{k} for B{k}[w=false]")
 
 
 def replay(sched: Schedule) -> list[tuple[int, int]]:
-    """Run the lists in dependency order; return (rank, index) in completion order.
+    """Run the lists in dependency order; return (rank, index) in an order the ops can
+    complete in (by start at unit costs, then rank and index).
 
     Raises :class:`ValidationError` on a broken dependency (an op waiting for
     something its own rank only does later, or never) or a cross-rank deadlock,
@@ -125,24 +99,13 @@ def replay(sched: Schedule) -> list[tuple[int, int]]:
                     f"{event[0]}{event[1]}, which its rank runs later (op #{made[1]})"
                 )
 
-    done: set[Event] = set()
-    cursor = [0] * sched.ranks
-    order: list[tuple[int, int]] = []
-    total = sum(len(ops) for ops in sched.ops)
-    while len(order) < total:
-        progressed = False
-        for rank in range(sched.ranks):
-            ops = sched.ops[rank]
-            while cursor[rank] < len(ops) and all(
-                e in done for e in op_needs(ops[cursor[rank]], stages)
-            ):
-                done.update(produces(ops[cursor[rank]]))
-                order.append((rank, cursor[rank]))
-                cursor[rank] += 1
-                progressed = True
-        if not progressed:
-            raise ValidationError(_deadlock_message(sched, cursor, done, where_made))
-    return order
+    encoder = Encoder(sched)
+    run = timing([[encoder.encode(op, 0, 0) for op in ops] for ops in sched.ops], [1], encoder.size)
+    if not run.complete:
+        done = {e for rank, ops in enumerate(sched.ops) for op in ops[:run.ran[rank]] for e in produces(op)}
+        raise ValidationError(_deadlock_message(sched, run.ran, done, where_made))
+    return [(rank, index) for _, rank, index in
+            sorted((t, rank, index) for rank, starts in enumerate(run.start) for index, t in enumerate(starts))]
 
 
 def _deadlock_message(
