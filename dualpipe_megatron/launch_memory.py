@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.enums import LayerType
 
+from .megatron.auto_layout import model_shape, padded_vocab
 from .megatron.topology import DualPipeLayout
-from .projection import ModelSpec, ProjectionError
 from .projection.placement import Realistic, weighted_peak
-from .projection.shapes import LayerShape
+from .projection.shapes import check_stage, dense_layers, stage_shape
 from .schedules.ir import Schedule
+from .schedules.model_shape import ModelShape
 
 GIB = 2**30
 
@@ -41,16 +42,6 @@ class Params:
     @property
     def total(self) -> int:
         return self.replicated + self.tensor + self.expert
-
-
-def padded_vocab(args: argparse.Namespace) -> int | None:
-    """The vocabulary as Megatron pads it (a multiple of --make-vocab-size-divisible-by x TP)."""
-    if getattr(args, "padded_vocab_size", None):
-        return args.padded_vocab_size
-    if not args.vocab_size:
-        return None
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return -(-args.vocab_size // multiple) * multiple
 
 
 def moe_pattern(args: argparse.Namespace) -> list[bool]:
@@ -171,37 +162,13 @@ def state_bytes(args: argparse.Namespace, params: Params) -> float:
             + params.expert * per_param(max(expert_dp, 1)))
 
 
-def layer_shape(args: argparse.Namespace) -> LayerShape:
-    """The projection's layer (MLA + MoE with shared experts) for these arguments."""
-    a = args
-    why = [] if a.multi_latent_attention and a.q_lora_rank else ["MLA with q-LoRA"]
-    if not a.num_experts or not a.moe_shared_expert_intermediate_size:
-        why.append("MoE with a shared expert")
-    if why:
-        raise ProjectionError(f"the projection's layer model needs {' and '.join(why)}")
-    shared, width = a.moe_shared_expert_intermediate_size, a.moe_ffn_hidden_size
-    if shared % width:
-        raise ProjectionError(f"shared expert width {shared} is not a whole number of {width}-wide experts")
-    moe_layers = sum(moe_pattern(a))
-    return LayerShape(hidden=a.hidden_size, heads=a.num_attention_heads, q_lora=a.q_lora_rank,
-                      kv_lora=a.kv_lora_rank, qk_nope=a.qk_head_dim, qk_rope=a.qk_pos_emb_head_dim,
-                      v_head=a.v_head_dim, experts=a.num_experts, ep=a.expert_model_parallel_size,
-                      topk=a.moe_router_topk, expert_ffn=width, shared_experts=shared // width,
-                      seq=a.seq_length, mbs=a.micro_batch_size,
-                      layers=max(1, round(moe_layers / a.pipeline_model_parallel_size)))
-
-
-def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """The projection's whole model: leading dense layers, then MoE layers."""
-    pattern = moe_pattern(args)
-    dense = pattern.index(True) if True in pattern else len(pattern)
-    if not all(pattern[dense:]):
-        raise ProjectionError("the projection's model needs the dense layers first, then only MoE layers")
-    vocab = padded_vocab(args)
-    if vocab is None:
-        raise ProjectionError("needs --vocab-size (the tokenizer is not built for the plan)")
-    return ModelSpec(num_layers=args.num_layers, dense_layers=dense, mtp_layers=args.mtp_num_layers or 0,
-                     vocab=vocab, dense_ffn=args.ffn_hidden_size)
+def projection_shapes(args: argparse.Namespace) -> tuple[ModelShape, ModelShape]:
+    """The projection's whole model for these arguments (:func:`.megatron.auto_layout.model_shape`)
+    and its 1/P stage of MoE layers, as many as the model's MoE layers per pipeline rank."""
+    model = check_stage(model_shape(args))
+    dense_layers(model)  # the projection's model: dense layers first, then MoE
+    moe_layers = sum(model.moe_layers())
+    return model, stage_shape(model, max(1, round(moe_layers / args.pipeline_model_parallel_size)))
 
 
 class GivenLayout(Realistic):
@@ -228,6 +195,5 @@ def activation_peaks(placement: Realistic, sched: Schedule, saved_bytes_per_unit
     return [float(weighted_peak(ops, weight)) for ops in sched.ops]
 
 
-__all__ = ["GIB", "GivenLayout", "ParamCounter", "Params", "activation_peaks", "decoder_counts",
-           "layer_shape", "model_spec", "moe_pattern", "padded_vocab", "rank_params", "stage_params",
-           "state_bytes"]
+__all__ = ["GIB", "GivenLayout", "ParamCounter", "Params", "activation_peaks", "decoder_counts", "moe_pattern",
+           "projection_shapes", "rank_params", "stage_params", "state_bytes"]

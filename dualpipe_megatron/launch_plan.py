@@ -132,14 +132,14 @@ def _memory_lines(args: argparse.Namespace, peaks: list[float] | None, why: str)
 def _projection(args: argparse.Namespace, sched: Schedule, gpus_per_node: int
                 ) -> tuple[list[float], Projection | ScheduleError]:
     """Per-rank activation peaks and the projected step, from the projection's public API."""
-    from .launch_memory import GivenLayout, activation_peaks, decoder_counts, layer_shape, model_spec
+    from .launch_memory import GivenLayout, activation_peaks, decoder_counts, projection_shapes
     from .projection import Network, count_chunk, project, stage_times, variants
 
-    shape = layer_shape(args)
+    model, shape = projection_shapes(args)
     chunk = count_chunk(shape)
     times = stage_times(shape, chunk, None, None, Network(gpus_per_node=gpus_per_node))
     pp = args.pipeline_model_parallel_size
-    placement = GivenLayout(decoder_counts(args.pipeline_model_parallel_layout), model_spec(args), shape, times,
+    placement = GivenLayout(decoder_counts(args.pipeline_model_parallel_layout), model, shape, times,
                             chunk, OVERLAP_LOSS, pp, sched.microbatches)
     row = next(v for v in variants() if v.label == args.pipeline_schedule)
     return activation_peaks(placement, sched, chunk.saved_bytes), project(placement, pp, sched.microbatches,

@@ -96,20 +96,37 @@ def test_mtp_only_last_stage_is_allowed() -> None:
 
 
 def test_flop_model_matches_the_projection_counter() -> None:
-    """On the projection's MLA+MoE layer, our closed form equals torch's FLOP counter (which counts
-    causal attention as full, so one causal half is added back)."""
+    """On the projection's MLA+MoE layer, the one FLOP count (which the projection's count_chunk
+    reports) equals torch's FLOP counter, which counts causal attention as the full square: the
+    half above the mask (B: twice it, W: none) is added to ours."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
     from dualpipe_megatron.projection.count import count_chunk
+    from dualpipe_megatron.projection.layer import build_chunk, chunk_input
     from dualpipe_megatron.projection.shapes import PRESETS
+    from dualpipe_megatron.runtime.wgrad import WeightGradStore, deferring
+
+    def flops(fn) -> int:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
 
     p = PRESETS["tiny"]
-    ours = ModelShape(num_layers=1, hidden=p.hidden, seq=p.seq, vocab=1, heads=p.heads, gated=True,
-                      micro_batch=p.mbs, experts=p.experts, topk=p.topk, moe_ffn=p.expert_ffn,
-                      shared_ffn=p.expert_ffn * p.shared_experts, mla=True, q_lora_rank=p.q_lora,
-                      kv_lora_rank=p.kv_lora, qk_head_dim=p.qk_nope, qk_pos_dim=p.qk_rope, v_head_dim=p.v_head)
-    layer = ours.decoder(moe=True)
-    half = p.mbs * p.heads * p.seq * p.seq * (p.qk_nope + p.qk_rope + p.v_head)
-    counted = count_chunk(p)
-    assert (layer.F + half, layer.B + 2 * half, layer.W) == (counted.F, counted.B, counted.W)
+    chunk = build_chunk(p, "meta", torch.bfloat16)
+    out: list[torch.Tensor] = []
+    f = flops(lambda: out.append(chunk(chunk_input(p, "meta", torch.bfloat16))))
+    grad = torch.empty_like(out[0])
+    b = flops(lambda: out[0].backward(grad))
+    y = chunk(chunk_input(p, "meta", torch.bfloat16))
+    with deferring("flop-test"):
+        b_input = flops(lambda: y.backward(grad))
+    w = flops(lambda: WeightGradStore.pop("flop-test"))
+    half = p.micro_batch * p.heads * p.seq * p.seq * (p.qk_head_dim + p.qk_pos_dim + p.v_head_dim)
+    assert half == p.causal_half().F
+    ours, layer = count_chunk(p), p.decoder(moe=True)
+    assert (ours.F, ours.B, ours.W) == (layer.F, layer.B, layer.W)
+    assert (ours.F + half, ours.B + 2 * half, ours.B_input + 2 * half, ours.W) == (f, b, b_input, w)
 
 
 def test_fast_timer_equals_simulate() -> None:

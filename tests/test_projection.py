@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from dualpipe_megatron.projection import (
-    DEEPSEEK_V3, PRESETS, Network, OpCosts, StageTimes, a2a_ms, count_chunk, measure,
+    DEEPSEEK_V3, DEEPSEEK_V3_STAGE, PRESETS, Network, OpCosts, StageTimes, a2a_ms, count_chunk, measure,
     megatron_combined_1f1b, p2p_ms, project, schedule_costs, stage_times,
 )
 from dualpipe_megatron.projection.cli import main
 from dualpipe_megatron.projection.comm import a2a_transfer_ms
 from dualpipe_megatron.projection.costs import compute_ms, overlapped_fb
-from dualpipe_megatron.projection.count import _count_built
-from dualpipe_megatron.projection.placement import (FromFile, ModelSpec, Realistic, Uniform,
-                                                    megatron_counts)
+from dualpipe_megatron.projection.count import _built
+from dualpipe_megatron.projection.placement import FromFile, Realistic, Uniform, megatron_counts
 from dualpipe_megatron.projection.project import VARIANTS, build_variant, variants
 from dualpipe_megatron.schedules import FB, F, Costs, ScheduleError, build_schedule, simulate
 from dualpipe_megatron.schedules.simulate import StageCosts
@@ -37,8 +36,8 @@ def times(F: float = 1, B: float = 2, W: float = 0.5, FB: float = 3, a2a: float 
 @pytest.fixture(scope="module")
 def default_job() -> dict:
     """The default DeepSeek-V3-like job with the built-in costs."""
-    chunk = count_chunk(DEEPSEEK_V3)
-    times = stage_times(DEEPSEEK_V3, chunk, None, None, Network())
+    chunk = count_chunk(DEEPSEEK_V3_STAGE)
+    times = stage_times(DEEPSEEK_V3_STAGE, chunk, None, None, Network())
     results = project(Uniform(times, 0.1, 16), 16, 48)
     return {r.variant.label: r for r in results}
 
@@ -68,12 +67,12 @@ def test_all_to_all_enters_lone_ops_in_full_and_pairs_up_to_their_compute() -> N
 def test_communication_arithmetic() -> None:
     token_set = 4096 * 7168 * 2  # one micro-batch's hidden states in bf16
     net = Network()
-    assert p2p_ms(DEEPSEEK_V3, net) == pytest.approx(token_set / 50e6 + 0.01)
+    assert p2p_ms(DEEPSEEK_V3_STAGE, net) == pytest.approx(token_set / 50e6 + 0.01)
     # 4 of 8 nodes per token, 3.5 of them remote on average; 7 of 8 copies over NVLink.
     inter, intra = token_set * 3.5 / 50e6, token_set * 7 / 160e6
-    assert a2a_transfer_ms(DEEPSEEK_V3, net) == pytest.approx(max(inter, intra))
-    assert a2a_ms(DEEPSEEK_V3, net) == pytest.approx(2 * 4 * inter)
-    one_node = replace(DEEPSEEK_V3, ep=8)
+    assert a2a_transfer_ms(DEEPSEEK_V3_STAGE, net) == pytest.approx(max(inter, intra))
+    assert a2a_ms(DEEPSEEK_V3_STAGE, net) == pytest.approx(2 * 4 * inter)
+    one_node = replace(DEEPSEEK_V3_STAGE, ep=8)
     assert a2a_transfer_ms(one_node, net) == pytest.approx(intra)
     with pytest.raises(ValueError, match="ib_gbps must be positive"):
         Network(ib_gbps=0)
@@ -110,10 +109,12 @@ def test_default_job_ranks_schedules_sensibly(default_job: dict) -> None:
 
 
 def test_counts_split_backward_and_scale_with_layers() -> None:
-    one, two = count_chunk(TINY), _count_built(replace(TINY, layers=2), torch.bfloat16)
+    one, two = count_chunk(TINY), count_chunk(replace(TINY, num_layers=2))
     assert one.B == one.B_input + one.W and 0 < one.W < one.B
     assert (two.F, two.B, two.W, two.saved_bytes, two.params) == (
         2 * one.F, 2 * one.B, 2 * one.W, 2 * one.saved_bytes, 2 * one.params)
+    # Two layers built and counted give what count_chunk multiplies out from one.
+    assert _built(replace(TINY, num_layers=2), torch.bfloat16) == (two.saved_bytes, two.params)
 
 
 def test_compute_ms_scales_by_flops_and_rebases() -> None:
@@ -122,7 +123,7 @@ def test_compute_ms_scales_by_flops_and_rebases() -> None:
     measured = OpCosts(TINY, ms, flops, "test", "float32")
     same, _ = compute_ms(flops, measured, None)
     assert same == pytest.approx({"F": 1, "B": 2, "W": 0.5, "FB": 3})
-    double, _ = compute_ms(count_chunk(replace(TINY, layers=2)), measured, None)
+    double, _ = compute_ms(count_chunk(replace(TINY, num_layers=2)), measured, None)
     assert double == pytest.approx({"F": 2, "B": 4, "W": 1, "FB": 6})
     rebased, label = compute_ms(flops, measured, tflops=1e-6)  # 1 kFLOP per ms
     assert rebased["F"] == pytest.approx(flops.F / 1000) and "rebased" in label
@@ -201,10 +202,10 @@ def test_megatron_split_counts_embedding_and_loss_as_layers() -> None:
 
 @pytest.fixture(scope="module")
 def realistic() -> Realistic:
-    target = replace(DEEPSEEK_V3, layers=4)
+    target = replace(DEEPSEEK_V3_STAGE, num_layers=4)
     chunk = count_chunk(target)
     times = stage_times(target, chunk, None, None, Network())
-    return Realistic(ModelSpec(), target, times, chunk, 0.1, 4, 8)
+    return Realistic(DEEPSEEK_V3, target, times, chunk, 0.1, 4, 8)
 
 
 def test_realistic_stage_costs_sum_to_the_model(realistic: Realistic) -> None:

@@ -15,12 +15,13 @@ import pytest
 
 from test_trace_profile import AUTOGRAD, CAST, COMBINE, COMM, COMPUTE, COMPUTE2, DISPATCH, GEMM, NCCL, Trace
 
-from dualpipe_megatron.projection import DEEPSEEK_V3, PRESETS, Network, OpCosts, count_chunk, stage_times
+from dualpipe_megatron.projection import (DEEPSEEK_V3, DEEPSEEK_V3_STAGE, PRESETS, Network, OpCosts, count_chunk,
+                                          stage_times)
 from dualpipe_megatron.projection.calibrate import calibrate
 from dualpipe_megatron.projection.cli import main
 from dualpipe_megatron.projection.comm import a2a_ms
 from dualpipe_megatron.projection.costs import overlapped_fb
-from dualpipe_megatron.projection.placement import ModelSpec, PairCosts, Realistic
+from dualpipe_megatron.projection.placement import PairCosts, Realistic
 from dualpipe_megatron.projection.project import build_variant, variants
 from dualpipe_megatron.schedules.ir import FB, B, F, Key
 from dualpipe_megatron.trace.profile import read_profiles
@@ -68,7 +69,7 @@ def deepseek_costs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, OpCo
     t = Trace()
     deepseek_pair(t)
     path = t.write(tmp_path_factory.mktemp("trace") / "train.json")
-    return path, calibrate(read_profiles([path]), DEEPSEEK_V3)
+    return path, calibrate(read_profiles([path]), DEEPSEEK_V3_STAGE)
 
 
 def test_deepseek_names_known_answer(deepseek_costs: tuple[Path, OpCosts]) -> None:
@@ -76,7 +77,7 @@ def test_deepseek_names_known_answer(deepseek_costs: tuple[Path, OpCosts]) -> No
     assert costs.ms == pytest.approx(PER_LAYER)
     assert costs.comm_ms == pytest.approx(COMM_MS)
     assert costs.exposed_share == pytest.approx(SHARE)
-    assert costs.shape == replace(DEEPSEEK_V3, layers=1) and costs.device == "NVIDIA H800"
+    assert costs.shape == replace(DEEPSEEK_V3_STAGE, num_layers=1) and costs.device == "NVIDIA H800"
     info = costs.info
     assert (info["pairs"], info["pair_layers"], info["layers_per_chunk"]) == (1, LAYERS, LAYERS)
     assert info["pair_measured_ms"]["compute"] == pytest.approx(36 * LAYERS)
@@ -103,8 +104,8 @@ def test_our_names_known_answer(tmp_path: Path) -> None:
     t.kernel(NCCL, COMM, 110, 122, launch=102)  # 8 hidden, 4 exposed of 12
     path = t.write(tmp_path / "rank0.json")
     with pytest.raises(Exception, match="give --layers-per-chunk"):
-        calibrate(read_profiles([path]), DEEPSEEK_V3)
-    costs = calibrate(read_profiles([path]), DEEPSEEK_V3, layers_per_chunk=2)
+        calibrate(read_profiles([path]), DEEPSEEK_V3_STAGE)
+    costs = calibrate(read_profiles([path]), DEEPSEEK_V3_STAGE, layers_per_chunk=2)
     assert costs.ms == pytest.approx({"F": 4, "B": 8, "B_input": 5, "W": 3, "F_then_B": 12})
     # backward: 6 ms over both backward ops (full and w=false) of 2 layers each
     assert costs.comm_ms == pytest.approx({"forward": 2, "backward": 1.5})
@@ -127,28 +128,29 @@ def test_cli_calibrate_then_project_uses_the_measurements(deepseek_costs, tmp_pa
     assert doc["overlap_loss"] == pytest.approx(SHARE)  # the file's measured share, not 0.1
     assert doc["stage_ms"]["a2a_fwd"] == pytest.approx(4 * COMM_MS["forward"])
     for row in doc["rows"]:
-        tokens = 8 * DEEPSEEK_V3.tokens / 4  # M x tokens per micro-batch / P
+        tokens = 8 * DEEPSEEK_V3_STAGE.tokens / 4  # M x tokens per micro-batch / P
         assert row["tokens_per_s_per_gpu"] == pytest.approx(tokens / (row["step_ms"] / 1e3))
 
 
 def test_measured_all_to_all_scales_by_the_network_models_ratio(deepseek_costs) -> None:
     _, costs = deepseek_costs
     net = Network()
-    for target in (replace(DEEPSEEK_V3, layers=4, hidden=2 * 7168), replace(DEEPSEEK_V3, layers=4, ep=32)):
+    for target in (replace(DEEPSEEK_V3_STAGE, num_layers=4, hidden=2 * 7168),
+                   replace(DEEPSEEK_V3_STAGE, num_layers=4, ep=32)):
         t = stage_times(target, count_chunk(target), costs, None, net)
         ratio = a2a_ms(target, net) / a2a_ms(costs.shape, net)
         assert (t.a2a_fwd, t.a2a_bwd) == pytest.approx((COMM_MS["forward"] * ratio, COMM_MS["backward"] * ratio))
-    doubled = replace(DEEPSEEK_V3, layers=4, hidden=2 * 7168)
+    doubled = replace(DEEPSEEK_V3_STAGE, num_layers=4, hidden=2 * 7168)
     assert a2a_ms(doubled, net) / a2a_ms(costs.shape, net) == pytest.approx(8)  # 4 layers x 2 x bytes
     assert stage_times(doubled, count_chunk(doubled), replace(costs, comm_ms=None), None, net).a2a_fwd == \
         pytest.approx(a2a_ms(doubled, net))  # no measurement: the network model
 
 
 def _realistic(costs: OpCosts) -> Realistic:
-    target = replace(DEEPSEEK_V3, layers=4)
+    target = replace(DEEPSEEK_V3_STAGE, num_layers=4)
     chunk = count_chunk(target)
     times = stage_times(target, chunk, costs, None, Network())
-    return Realistic(ModelSpec(), target, times, chunk, costs.exposed_share, 4, 8)
+    return Realistic(DEEPSEEK_V3, target, times, chunk, costs.exposed_share, 4, 8)
 
 
 def _moe_pair(real: Realistic) -> tuple[PairCosts, FB]:
@@ -204,9 +206,11 @@ def test_calibrate_errors_are_one_line(tmp_path: Path, capsys) -> None:
 
 def test_format_1_files_still_read(tmp_path: Path) -> None:
     tiny = PRESETS["tiny"]
-    doc = {"format": "dualpipe-op-costs/1", "shape": tiny.to_json_obj(),
+    shape = {"hidden": 64, "heads": 2, "q_lora": 32, "kv_lora": 16, "qk_nope": 16, "qk_rope": 8, "v_head": 16,
+             "experts": 16, "ep": 4, "topk": 2, "expert_ffn": 32, "shared_experts": 1, "seq": 32, "mbs": 1, "layers": 1}
+    doc = {"format": "dualpipe-op-costs/1", "shape": shape,
            "ms": {"F": 1, "B": 2, "B_input": 1.5, "W": 0.5, "F_then_B": 3}}
     costs = OpCosts.from_json_obj(doc)
-    assert costs.comm_ms is None and costs.exposed_share is None
+    assert costs.shape == tiny and costs.comm_ms is None and costs.exposed_share is None
     with pytest.raises(Exception, match="exposed_share must be a number within"):
         OpCosts.from_json_obj({**doc, "format": "dualpipe-op-costs/2", "exposed_share": 2})

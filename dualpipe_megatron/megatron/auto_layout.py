@@ -1,11 +1,13 @@
 """``--dualpipe-layout auto``: the layers-per-stage split with the shortest simulated step for
-the parsed Megatron arguments (FLOP model of the configured GPT; see
-:mod:`dualpipe_megatron.schedules.layout`).
+the parsed Megatron arguments (FLOP count of the configured GPT; see
+:mod:`dualpipe_megatron.schedules.layout`), and :func:`model_shape`, the one translation of
+Megatron's arguments into the layer model (:mod:`dualpipe_megatron.schedules.model_shape`),
+which the launch plan's projection uses too.
 
 Works on the arguments before and after Megatron's ``validate_args``: sizes that validation
 fills in (FFN width, per-head width, query groups, data-parallel size) fall back to Megatron's
 defaults here. The tokenizer is built after the layout must be fixed, so the vocabulary comes
-from ``--vocab-size`` (or an already known padded size).
+from ``--vocab-size``, padded as Megatron pads it (or an already known padded size).
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ def _ffn(args: argparse.Namespace) -> int:
     return 4 * args.hidden_size
 
 
+def padded_vocab(args: argparse.Namespace) -> int | None:
+    """The vocabulary as Megatron pads it (a multiple of --make-vocab-size-divisible-by x TP)."""
+    if getattr(args, "padded_vocab_size", None):
+        return args.padded_vocab_size
+    if not args.vocab_size:
+        return None
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-args.vocab_size // multiple) * multiple
+
+
 def microbatches(args: argparse.Namespace) -> int:
     """Micro-batches per step: global / (micro x data parallel); 2P (the least our schedules
     run) when the global batch is not given."""
@@ -37,12 +49,13 @@ def microbatches(args: argparse.Namespace) -> int:
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
-    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+    """The model these arguments configure, with one expert-parallel rank's share of experts."""
+    vocab = padded_vocab(args)
     if not vocab:
-        raise ScheduleError("--dualpipe-layout auto needs --vocab-size (the output layer's cost; the "
-                            "tokenizer is built after the layout is fixed), or pass a layout")
+        raise ScheduleError("the FLOP count (--dualpipe-layout auto, the launch plan) needs --vocab-size (the "
+                            "output layer's cost; the tokenizer is built after the layout is fixed), or pass a layout")
     if not args.seq_length:
-        raise ScheduleError("--dualpipe-layout auto needs --seq-length")
+        raise ScheduleError("the FLOP count (--dualpipe-layout auto, the launch plan) needs --seq-length")
     ffn = _ffn(args)
     experts = args.num_experts or 0
     return ModelShape(
@@ -56,7 +69,8 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                         else tuple(args.moe_layer_freq)),
         mtp_layers=args.mtp_num_layers or 0, mla=bool(args.multi_latent_attention),
         q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
-        qk_pos_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
+        qk_pos_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        ep=getattr(args, "expert_model_parallel_size", None) or 1)
 
 
 def auto_layout(args: argparse.Namespace) -> str:
@@ -65,4 +79,4 @@ def auto_layout(args: argparse.Namespace) -> str:
                        LayerCosts.from_shape(model_shape(args)))[0]
 
 
-__all__ = ["auto_layout", "microbatches", "model_shape"]
+__all__ = ["auto_layout", "microbatches", "model_shape", "padded_vocab"]

@@ -29,10 +29,11 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from ..schedules.model_shape import ModelShape
 from ..trace.profile import PairTime, PhaseTime, RankProfile, read_events
 from .count import count_chunk
 from .measure import OpCosts
-from .shapes import LayerShape, ProjectionError
+from .shapes import ProjectionError
 
 
 @dataclass
@@ -98,9 +99,9 @@ def _pair_has_w(pair: PairTime, rank: RankProfile) -> bool:
     return any(rank.phases[n].kind == "W" for n in pair.phases if n in rank.phases)
 
 
-def calibrate(profiles: Sequence[RankProfile], shape: LayerShape,
+def calibrate(profiles: Sequence[RankProfile], shape: ModelShape,
               layers_per_chunk: int | None = None) -> OpCosts:
-    """Per-layer op costs of ``shape`` (any ``layers``; one is written) from GPU profiles.
+    """Per-layer op costs of ``shape`` (a stage shape, any ``num_layers``; one is written) from GPU profiles.
 
     Every rank's ranges are pooled. Raises :class:`ProjectionError` for a trace
     without GPU work or without the passes an op-cost file needs.
@@ -146,7 +147,7 @@ def calibrate(profiles: Sequence[RankProfile], shape: LayerShape,
         "window_ms": [r.window_ms for r in profiles],
         "exposed_communication_ms": [r.exposed_communication_ms for r in profiles],
     }
-    one = replace(shape, layers=1)
+    one = replace(shape, num_layers=1)
     device = ", ".join(sorted({_device_name(r) for r in profiles}))
     return OpCosts(one, ms, count_chunk(one), device, "as traced", info,
                    comm if any(comm.values()) else None, share)

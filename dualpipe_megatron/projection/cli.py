@@ -15,6 +15,7 @@ import torch
 
 from ..schedules.cli import CliParser, positive_int, run_command
 from ..schedules.ir import ScheduleError
+from ..schedules.model_shape import ModelShape
 from ..schedules.simulate import StageCosts
 from ..trace.profile import read_profiles
 from ..trace.records import TraceError
@@ -23,10 +24,11 @@ from .comm import Network
 from .costs import DEFAULT_TFLOPS, StageTimes, overlapped_fb, stage_times
 from .count import ChunkCount, count_chunk
 from .measure import OpCosts, measure
-from .placement import FromFile, ModelSpec, Placement, Realistic, Uniform
+from .placement import FromFile, Placement, Realistic, Uniform
 from .project import project, variants
 from .report import assumptions_text, inputs_text, json_doc, markdown, rows
-from .shapes import DEEPSEEK_V3, PRESETS, LayerShape, ProjectionError
+from .shapes import (DEEPSEEK_V3, DEEPSEEK_V3_STAGE, PRESETS, ProjectionError, check_stage, dense_layers,
+                     stage_shape, whole_model)
 
 
 DEFAULT_OVERLAP_LOSS = 0.1  # assumed when nothing measured it
@@ -61,28 +63,30 @@ def _write_json(path: str, doc: object) -> None:
 
 
 def cmd_measure(args: argparse.Namespace) -> None:
-    shape = PRESETS[args.preset]
-    overrides = {k: v for k, v in (("layers", args.layers), ("seq", args.seq)) if v}
-    shape = replace(shape, **overrides)
+    overrides = {k: v for k, v in (("num_layers", args.layers), ("seq", args.seq)) if v}
+    shape = check_stage(replace(PRESETS[args.preset], **overrides))
     on_cpu = args.device == "cpu" or not torch.cuda.is_available()
     if on_cpu or args.threads:
         torch.set_num_threads(args.threads or 1)
     costs = measure(shape, args.device, args.dtype, args.repeats, args.warmup)
     _write_json(args.output, costs.to_json_obj())
     ms = ", ".join(f"{op} {v:.3f}" for op, v in costs.ms.items())
-    print(f"{costs.device}, {costs.dtype}, preset {args.preset} ({shape.layers} layers, "
-          f"hidden {shape.hidden}, {shape.mbs}x{shape.seq} tokens): median ms {ms}; "
+    print(f"{costs.device}, {costs.dtype}, preset {args.preset} ({shape.num_layers} layers, "
+          f"hidden {shape.hidden}, {shape.micro_batch}x{shape.seq} tokens): median ms {ms}; "
           f"wrote {args.output}")
 
 
-def _shape(args: argparse.Namespace, base: LayerShape) -> LayerShape:
+_JOB_FLAGS = {"ep": "ep", "seq": "seq", "mbs": "micro_batch", "hidden": "hidden", "topk": "topk"}
+
+
+def _shape(args: argparse.Namespace, base: ModelShape) -> ModelShape:
     """``base`` with the job flags given (``--ep``, ``--seq``, ``--mbs``, ``--hidden``, ``--topk``)."""
-    return replace(base, **{k: getattr(args, k) for k in ("ep", "seq", "mbs", "hidden", "topk")
-                            if getattr(args, k) is not None})
+    return check_stage(replace(base, **{name: getattr(args, flag) for flag, name in _JOB_FLAGS.items()
+                                        if getattr(args, flag) is not None}))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    shape = _shape(args, DEEPSEEK_V3 if args.preset == "deepseek-v3" else PRESETS[args.preset])
+    shape = _shape(args, DEEPSEEK_V3_STAGE if args.preset == "deepseek-v3" else PRESETS[args.preset])
     costs = calibrate(read_profiles(args.traces), shape, args.layers_per_chunk)
     _write_json(args.output, costs.to_json_obj())
     ms, comm, info = costs.ms, costs.comm_ms or {}, costs.info
@@ -125,7 +129,7 @@ def _chunks(text: str) -> tuple[int, ...]:
     return values
 
 
-def _placement(args: argparse.Namespace, target: LayerShape, times: StageTimes,
+def _placement(args: argparse.Namespace, target: ModelShape, times: StageTimes,
                chunk: ChunkCount) -> tuple[Placement, str]:
     if args.stage_costs:
         if args.placement != "uniform":
@@ -135,16 +139,16 @@ def _placement(args: argparse.Namespace, target: LayerShape, times: StageTimes,
                                              f"({len(costs.stages)} stages, cut evenly per schedule)")
     if args.placement == "uniform":
         return (Uniform(times, args.overlap_loss, args.ranks),
-                f"uniform (every stage an equal share of {args.ranks} x {target.layers} MoE layers)")
-    spec = ModelSpec(args.num_layers, args.dense_layers, args.mtp_layers, args.vocab, args.dense_ffn)
-    return (Realistic(spec, target, times, chunk, args.overlap_loss, args.ranks, args.microbatches),
-            f"realistic ({spec.num_layers} layers, the first {spec.dense_layers} dense, "
-            f"{spec.mtp_layers} MTP, vocabulary {spec.vocab}, dense FFN {spec.dense_ffn}; embedding "
+                f"uniform (every stage an equal share of {args.ranks} x {target.num_layers} MoE layers)")
+    model = whole_model(target, args.num_layers, args.dense_layers, args.mtp_layers, args.vocab, args.dense_ffn)
+    return (Realistic(model, target, times, chunk, args.overlap_loss, args.ranks, args.microbatches),
+            f"realistic ({model.num_layers} layers, the first {args.dense_layers} dense, "
+            f"{model.mtp_layers} MTP, vocabulary {model.vocab}, dense FFN {model.ffn}; embedding "
             f"on the first stage, output layer + loss and MTP on the last)")
 
 
 def cmd_project(args: argparse.Namespace) -> None:
-    target = replace(_shape(args, DEEPSEEK_V3), layers=args.layers_per_rank)
+    target = stage_shape(_shape(args, DEEPSEEK_V3), args.layers_per_rank)
     net = Network(**{f.name: getattr(args, f.name) for f in fields(Network)})
     measured = _load(args.op_costs) if args.op_costs else None
     if args.overlap_loss is None:  # the file's measured share, else the assumed default
@@ -219,11 +223,11 @@ def make_parser() -> argparse.ArgumentParser:
                      help="interleaved chunks per rank, one row pair each (default 2,4)")
     job.add_argument("--ep", type=positive_int, default=None,
                      help=f"expert parallel (default {DEEPSEEK_V3.ep})")
-    job.add_argument("--layers-per-rank", type=positive_int, default=DEEPSEEK_V3.layers,
+    job.add_argument("--layers-per-rank", type=positive_int, default=DEEPSEEK_V3_STAGE.num_layers,
                      help="MoE layers in 1/P of the model")
     job.add_argument("--seq", type=positive_int, default=None, help=f"default {DEEPSEEK_V3.seq}")
     job.add_argument("--mbs", type=positive_int, default=None,
-                     help=f"micro-batch size (default {DEEPSEEK_V3.mbs})")
+                     help=f"micro-batch size (default {DEEPSEEK_V3.micro_batch})")
     job.add_argument("--hidden", type=positive_int, default=None, help=f"default {DEEPSEEK_V3.hidden}")
     job.add_argument("--topk", type=positive_int, default=None, help=f"default {DEEPSEEK_V3.topk}")
     place = p.add_argument_group("placement of the model's layers")
@@ -237,14 +241,13 @@ def make_parser() -> argparse.ArgumentParser:
     place.add_argument("--stage-costs", metavar="FILE", default=None,
                        help="the simulator's stage-cost JSON for direction 0's stages of one model "
                             "copy in model order (ms); each schedule cuts them evenly")
-    spec = ModelSpec()
-    for flag, dest, text in (("--num-layers", "num_layers", "decoder layers"),
-                             ("--dense-layers", "dense_layers", "leading dense layers"),
-                             ("--mtp-layers", "mtp_layers", "MTP layers"),
-                             ("--vocab", "vocab", "vocabulary size"),
-                             ("--dense-ffn", "dense_ffn", "dense layers' FFN width")):
-        place.add_argument(flag, dest=dest, type=int, default=getattr(spec, dest),
-                           help=f"realistic: {text} (default {getattr(spec, dest)})")
+    v3 = DEEPSEEK_V3
+    for flag, dest, text, default in (("--num-layers", "num_layers", "decoder layers", v3.num_layers),
+                                      ("--dense-layers", "dense_layers", "leading dense layers", dense_layers(v3)),
+                                      ("--mtp-layers", "mtp_layers", "MTP layers", v3.mtp_layers),
+                                      ("--vocab", "vocab", "vocabulary size", v3.vocab),
+                                      ("--dense-ffn", "dense_ffn", "dense layers' FFN width", v3.ffn)):
+        place.add_argument(flag, dest=dest, type=int, default=default, help=f"realistic: {text} (default {default})")
     net = p.add_argument_group("network (achieved GB/s per GPU)")
     default = Network()
     for f in fields(Network):

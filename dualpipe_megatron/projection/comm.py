@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .shapes import LayerShape, ProjectionError
+from ..schedules.model_shape import ModelShape
+from .shapes import ProjectionError
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,13 @@ class Network:
                 raise ProjectionError(f"{f.name} must be positive, got {value}")
 
 
-def p2p_ms(shape: LayerShape, net: Network) -> float:
+def p2p_ms(shape: ModelShape, net: Network) -> float:
     """Sending one micro-batch's hidden states (or their grads) to the next stage."""
     size = shape.tokens * shape.hidden * net.dtype_bytes
     return size / (net.p2p_gbps * 1e6) + net.p2p_latency_ms
 
 
-def a2a_transfer_ms(shape: LayerShape, net: Network) -> float:
+def a2a_transfer_ms(shape: ModelShape, net: Network) -> float:
     """One dispatch (or one combine) of one micro-batch through one MoE layer.
 
     With the EP group spread over ``n`` nodes, a token picks ``k`` of them and
@@ -57,14 +58,14 @@ def a2a_transfer_ms(shape: LayerShape, net: Network) -> float:
     return max(inter / (net.ib_gbps * 1e6), intra / (net.nvlink_gbps * 1e6))
 
 
-def a2a_ms(shape: LayerShape, net: Network) -> float:
-    """All-to-all of one pass (forward or backward) of one micro-batch through the chunk.
+def a2a_ms(shape: ModelShape, net: Network) -> float:
+    """All-to-all of one pass (forward or backward) of one micro-batch through the chunk (``shape``'s ``num_layers`` MoE layers).
 
     A pass moves each layer's tokens twice: dispatch and combine going forward,
     the grads of combine and of dispatch going backward. The weight-grad pass
     moves nothing.
     """
-    return 2 * shape.layers * a2a_transfer_ms(shape, net)
+    return 2 * shape.num_layers * a2a_transfer_ms(shape, net)
 
 
 __all__ = ["Network", "a2a_ms", "a2a_transfer_ms", "p2p_ms"]

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ..schedules.ir import B, F, FB, Op, W
+from ..schedules.model_shape import ModelShape
 from ..schedules.simulate import Costs
 from .comm import Network, a2a_ms, p2p_ms
 from .count import ChunkCount
 from .measure import OpCosts
-from .shapes import LayerShape, ProjectionError
+from .shapes import ProjectionError
 
 DEFAULT_TFLOPS = 400.0  # assumed achieved bf16 rate for the built-in costs
 
@@ -83,7 +84,7 @@ def compute_ms(target: ChunkCount, measured: OpCosts | None,
     return ms, label
 
 
-def a2a_stage_ms(target: LayerShape, measured: OpCosts | None, net: Network) -> tuple[float, float, str]:
+def a2a_stage_ms(target: ModelShape, measured: OpCosts | None, net: Network) -> tuple[float, float, str]:
     """All-to-all ms of one stage, forward and backward, and where it comes from."""
     model = a2a_ms(target, net)
     if measured is None or measured.comm_ms is None:
@@ -93,9 +94,9 @@ def a2a_stage_ms(target: LayerShape, measured: OpCosts | None, net: Network) -> 
             f"measured on {measured.device}, scaled by the network model's ratio x{scale:.3g}")
 
 
-def stage_times(target: LayerShape, count: ChunkCount, measured: OpCosts | None,
+def stage_times(target: ModelShape, count: ChunkCount, measured: OpCosts | None,
                 tflops: float | None, net: Network) -> StageTimes:
-    """Compute and communication ms of one stage (``target.layers`` layers) of the job."""
+    """Compute and communication ms of one stage (``target.num_layers`` MoE layers) of the job."""
     ms, label = compute_ms(count, measured, tflops)
     fwd, bwd, comm = a2a_stage_ms(target, measured, net)
     return StageTimes(F=ms["F"], B=ms["B"], W=ms["W"], FB=ms["FB"], a2a_fwd=fwd,

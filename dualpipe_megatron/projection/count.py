@@ -1,30 +1,27 @@
-"""FLOPs per op and saved activation bytes of a chunk, counted on the meta device.
+"""FLOPs per op and saved activation bytes of a chunk (a stage shape of MoE layers).
 
-Counting runs the real layer code on shape-only tensors, so the full
-DeepSeek-V3 chunk is counted in about a second without memory, and the
-measured and the projected shape are counted by the same rules:
-- FLOPs are what ``torch.utils.flop_counter`` counts (matrix products and
-  attention; elementwise ops count zero; causal attention counts as full).
-- saved bytes are the tensors autograd keeps from a forward for its backward,
-  each tensor object once, parameters excluded. The attention core is counted
-  as a flash kernel keeps it (q, k, v, output and an fp32 log-sum-exp per row),
-  not as the meta device's unfused fallback, which would keep the score matrix.
+- FLOPs are the one FLOP count of :mod:`..schedules.model_shape` (the layout search's too):
+  matrix products and attention, causal attention as the half of the square under the mask,
+  elementwise ops zero. ``B_input`` is ``B - W``. ``tests/test_auto_layout.py`` holds it equal
+  to ``torch.utils.flop_counter`` on this layer, plus the causal half torch also counts.
+- saved bytes are the tensors autograd keeps from a forward for its backward, each tensor
+  object once, parameters excluded, counted by running the real layer code on the meta device
+  (shape-only tensors: the full DeepSeek-V3 chunk in about a second, without memory). The
+  attention core is counted as a flash kernel keeps it (q, k, v, output and an fp32
+  log-sum-exp per row), not as the meta device's unfused fallback, which would keep the score
+  matrix.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
-from typing import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from ..runtime.wgrad import WeightGradStore, deferring
+from ..schedules.model_shape import ModelShape
 from .layer import AttentionCore, build_chunk, chunk_input
-from .shapes import LayerShape
-
-_KEY = "count"
 
 
 @dataclass(frozen=True)
@@ -79,36 +76,24 @@ class _SavedBytes:
             yield
 
 
-def _flops(fn: Callable[[], object]) -> int:
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
+def count_chunk(s: ModelShape, dtype: torch.dtype = torch.bfloat16) -> ChunkCount:
+    """One micro-batch's F, B, B(w=false) and W FLOPs of ``s``, and its saved bytes and
+    parameters (the chunk's layers are identical: one is built on the meta device, its figures
+    multiplied)."""
+    layer = s.decoder(moe=True)
+    F, B, W = (int(layer.F) * s.num_layers, int(layer.B) * s.num_layers, int(layer.W) * s.num_layers)
+    saved, params = _built(replace(s, num_layers=1), dtype)
+    return ChunkCount(F=F, B=B, B_input=B - W, W=W, saved_bytes=s.num_layers * saved,
+                      params=s.num_layers * params)
 
 
-def count_chunk(s: LayerShape, dtype: torch.dtype = torch.bfloat16) -> ChunkCount:
-    """Count one micro-batch's F, B, B(w=false), W and saved bytes of ``s`` on the meta device.
-
-    The chunk's layers are identical, so one is counted and the figures multiplied.
-    """
-    one = _count_built(replace(s, layers=1), dtype)
-    return ChunkCount(*(s.layers * getattr(one, f.name) for f in fields(ChunkCount)))
-
-
-def _count_built(s: LayerShape, dtype: torch.dtype) -> ChunkCount:
+def _built(s: ModelShape, dtype: torch.dtype) -> tuple[int, int]:
+    """Saved activation bytes of one forward of ``s``'s chunk, and its parameters."""
     chunk = build_chunk(s, "meta", dtype)
     saved = _SavedBytes(chunk)
-    x = chunk_input(s, "meta", dtype)
     with saved.recording():
-        out: list[torch.Tensor] = []
-        f = _flops(lambda: out.append(chunk(x)))
-    grad = torch.empty_like(out[0])
-    b = _flops(lambda: out[0].backward(grad))
-    y = chunk(chunk_input(s, "meta", dtype))
-    with deferring(_KEY):
-        b_input = _flops(lambda: y.backward(grad))
-    w = _flops(lambda: WeightGradStore.pop(_KEY))
-    params = sum(p.numel() for p in chunk.parameters())
-    return ChunkCount(F=f, B=b, B_input=b_input, W=w, saved_bytes=saved.total, params=params)
+        chunk(chunk_input(s, "meta", dtype))
+    return saved.total, sum(p.numel() for p in chunk.parameters())
 
 
 __all__ = ["ChunkCount", "count_chunk"]

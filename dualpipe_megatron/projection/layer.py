@@ -24,7 +24,7 @@ import torch.nn.functional as TF
 from torch import nn
 
 from ..runtime.wgrad import DeferrableLinear
-from .shapes import LayerShape
+from ..schedules.model_shape import ModelShape
 
 
 class AttentionCore(nn.Module):
@@ -37,27 +37,27 @@ class AttentionCore(nn.Module):
 class LatentAttention(nn.Module):
     """Multi-head latent attention with DeepSeek-V3's projections."""
 
-    def __init__(self, s: LayerShape, linear: partial) -> None:
+    def __init__(self, s: ModelShape, linear: partial) -> None:
         super().__init__()
         self.s = s
-        self.q_down = linear(s.hidden, s.q_lora)
-        self.q_norm = nn.RMSNorm(s.q_lora)
-        self.q_up = linear(s.q_lora, s.heads * (s.qk_nope + s.qk_rope))
-        self.kv_down = linear(s.hidden, s.kv_lora + s.qk_rope)
-        self.kv_norm = nn.RMSNorm(s.kv_lora)
-        self.kv_up = linear(s.kv_lora, s.heads * (s.qk_nope + s.v_head))
-        self.out = linear(s.heads * s.v_head, s.hidden)
+        self.q_down = linear(s.hidden, s.q_lora_rank)
+        self.q_norm = nn.RMSNorm(s.q_lora_rank)
+        self.q_up = linear(s.q_lora_rank, s.heads * (s.qk_head_dim + s.qk_pos_dim))
+        self.kv_down = linear(s.hidden, s.kv_lora_rank + s.qk_pos_dim)
+        self.kv_norm = nn.RMSNorm(s.kv_lora_rank)
+        self.kv_up = linear(s.kv_lora_rank, s.heads * (s.qk_head_dim + s.v_head_dim))
+        self.out = linear(s.heads * s.v_head_dim, s.hidden)
         self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, (b, t, _) = self.s, x.shape
         q = self.q_up(self.q_norm(self.q_down(x))).view(b, t, s.heads, -1)
-        latent, k_rope = self.kv_down(x).split([s.kv_lora, s.qk_rope], dim=-1)
+        latent, k_rope = self.kv_down(x).split([s.kv_lora_rank, s.qk_pos_dim], dim=-1)
         kv = self.kv_up(self.kv_norm(latent)).view(b, t, s.heads, -1)
-        k_nope, v = kv.split([s.qk_nope, s.v_head], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, t, s.heads, s.qk_rope)], dim=-1)
+        k_nope, v = kv.split([s.qk_head_dim, s.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, t, s.heads, s.qk_pos_dim)], dim=-1)
         o = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.out(o.transpose(1, 2).reshape(b, t, s.heads * s.v_head))
+        return self.out(o.transpose(1, 2).reshape(b, t, s.heads * s.v_head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -76,13 +76,13 @@ class SwiGLU(nn.Module):
 class BalancedMoE(nn.Module):
     """Sigmoid top-k routing, the rank's local experts under balanced load, a shared expert."""
 
-    def __init__(self, s: LayerShape, linear: partial) -> None:
+    def __init__(self, s: ModelShape, linear: partial) -> None:
         super().__init__()
         self.s = s
         self.router = linear(s.hidden, s.experts)
         self.experts = nn.ModuleList(
             SwiGLU(s.hidden, s.expert_ffn, linear) for _ in range(s.local_experts))
-        self.shared = SwiGLU(s.hidden, s.expert_ffn * s.shared_experts, linear)
+        self.shared = SwiGLU(s.hidden, s.shared_ffn, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, tokens = self.s, x.reshape(-1, x.shape[-1])
@@ -101,7 +101,7 @@ class BalancedMoE(nn.Module):
 class MoELayer(nn.Module):
     """Pre-norm transformer layer: MLA then MoE, each with a residual."""
 
-    def __init__(self, s: LayerShape, linear: partial) -> None:
+    def __init__(self, s: ModelShape, linear: partial) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(s.hidden)
         self.attn = LatentAttention(s, linear)
@@ -113,17 +113,17 @@ class MoELayer(nn.Module):
         return x + self.moe(self.moe_norm(x))
 
 
-def build_chunk(s: LayerShape, device: torch.device | str, dtype: torch.dtype) -> nn.Sequential:
-    """``s.layers`` MoE layers on ``device`` (``"meta"`` allocates nothing)."""
+def build_chunk(s: ModelShape, device: torch.device | str, dtype: torch.dtype) -> nn.Sequential:
+    """``s.num_layers`` MoE layers on ``device`` (``"meta"`` allocates nothing)."""
     linear = partial(DeferrableLinear, bias=False, device=device, dtype=dtype)
     with torch.device(device):
-        chunk = nn.Sequential(*(MoELayer(s, linear) for _ in range(s.layers)))
+        chunk = nn.Sequential(*(MoELayer(s, linear) for _ in range(s.num_layers)))
     return chunk.to(dtype=dtype)
 
 
-def chunk_input(s: LayerShape, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+def chunk_input(s: ModelShape, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
     """One micro-batch of hidden states entering the chunk, as received from the previous stage."""
-    return torch.randn(s.mbs, s.seq, s.hidden, device=device, dtype=dtype, requires_grad=True)
+    return torch.randn(s.micro_batch, s.seq, s.hidden, device=device, dtype=dtype, requires_grad=True)
 
 
 __all__ = ["AttentionCore", "BalancedMoE", "MoELayer", "build_chunk", "chunk_input"]

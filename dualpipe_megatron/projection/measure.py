@@ -20,9 +20,10 @@ from typing import Any, Callable
 import torch
 
 from ..runtime.wgrad import WeightGradStore, deferring
+from ..schedules.model_shape import ModelShape
 from .count import ChunkCount, count_chunk
 from .layer import build_chunk, chunk_input
-from .shapes import LayerShape, ProjectionError
+from .shapes import ProjectionError, shape_from_json, shape_to_json
 
 OPS = ("F", "B", "B_input", "W", "F_then_B")
 FORMAT = "dualpipe-op-costs/2"
@@ -43,7 +44,7 @@ class OpCosts:
     the projection's ``--overlap-loss``.
     """
 
-    shape: LayerShape
+    shape: ModelShape  # a stage shape (:mod:`.shapes`)
     ms: dict[str, float]
     flops: ChunkCount  # of the measured shape
     device: str
@@ -54,7 +55,7 @@ class OpCosts:
 
     def to_json_obj(self) -> dict[str, Any]:
         return {"format": FORMAT, "device": self.device, "dtype": self.dtype,
-                "shape": self.shape.to_json_obj(), "ms": self.ms, "comm_ms": self.comm_ms,
+                "shape": shape_to_json(self.shape), "ms": self.ms, "comm_ms": self.comm_ms,
                 "exposed_share": self.exposed_share,
                 "flops": {k: getattr(self.flops, k) for k in ("F", "B", "B_input", "W")},
                 "info": self.info}
@@ -64,7 +65,7 @@ class OpCosts:
         """Parse an op-cost file; the FLOPs are recounted from its shape, not trusted."""
         if not isinstance(obj, dict) or obj.get("format") not in READS:
             raise ProjectionError(f"not an op-cost file (want format {FORMAT!r})")
-        shape = LayerShape.from_json_obj(obj.get("shape"))
+        shape = shape_from_json(obj.get("shape"))
         try:
             ms = {op: float(obj["ms"][op]) for op in OPS}
         except (KeyError, TypeError, ValueError) as exc:
@@ -119,7 +120,7 @@ def _timer(device: torch.device, clock: Callable[[], float]) -> Callable[[Callab
     return timed
 
 
-def measure(shape: LayerShape, device: str = "auto", dtype: str = "auto",
+def measure(shape: ModelShape, device: str = "auto", dtype: str = "auto",
             repeats: int = 7, warmup: int = 2, seed: int = 0) -> OpCosts:
     """Median ms of each op in :data:`OPS`; bf16 on a GPU and fp32 on a CPU unless told."""
     if repeats < 1 or warmup < 0:
@@ -141,7 +142,7 @@ def measure(shape: LayerShape, device: str = "auto", dtype: str = "auto",
     def x() -> torch.Tensor:
         return chunk_input(shape, dev, torch_dtype)
 
-    grad = torch.randn(shape.mbs, shape.seq, shape.hidden, device=dev, dtype=torch_dtype)
+    grad = torch.randn(shape.micro_batch, shape.seq, shape.hidden, device=dev, dtype=torch_dtype)
     samples: dict[str, list[float]] = {op: [] for op in OPS}
     for round_ in range(warmup + repeats):
         got: dict[str, float] = {}

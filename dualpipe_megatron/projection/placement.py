@@ -10,7 +10,8 @@ Three placements feed :func:`~.project.project`:
 - :class:`Realistic`: the whole model, layer by layer: the embedding opens the first stage,
   dense layers come first, the output layer, loss and MTP close the last stage. Per-layer
   costs are one MoE layer's projected ms scaled op by op by the FLOP ratio to a MoE layer
-  (:mod:`..schedules.layout`'s FLOP model); all-to-all only on MoE layers. Megatron's
+  (:mod:`..schedules.model_shape`'s FLOP count, the one the stages' costs use); all-to-all
+  only on MoE layers. Megatron's
   schedules get the split of ``--account-for-embedding-in-pipeline-split
   --account-for-loss-in-pipeline-split`` (embedding and loss count as one layer each),
   DualPipe(V) the auto layout (:func:`~..schedules.layout.best_layout`).
@@ -31,7 +32,7 @@ from ..schedules.model_shape import ModelShape
 from ..schedules.simulate import AnyCosts, StageCost, StageCosts
 from .costs import StageTimes, exposed_a2a, microseconds, schedule_costs
 from .count import ChunkCount
-from .shapes import LayerShape, ProjectionError
+from .shapes import ProjectionError
 
 LOGIT_BYTES = 4  # the loss keeps fp32 logits for its backward
 
@@ -95,35 +96,6 @@ class FromFile:
         return Plan(costs, whole, whole, None)
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """The whole model beyond one MoE layer's shape (defaults: DeepSeek-V3)."""
-
-    num_layers: int = 61
-    dense_layers: int = 3
-    mtp_layers: int = 1
-    vocab: int = 129280
-    dense_ffn: int = 18432
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.dense_layers < self.num_layers:
-            raise ProjectionError(f"dense layers ({self.dense_layers}) must be fewer than the "
-                                  f"{self.num_layers} layers")
-        if min(self.num_layers, self.vocab, self.dense_ffn) < 1 or self.mtp_layers < 0:
-            raise ProjectionError("num_layers, vocab and dense_ffn must be >= 1, mtp_layers >= 0")
-
-    def shape(self, t: LayerShape) -> ModelShape:
-        """Megatron's view of the model: the FLOP model's input."""
-        return ModelShape(num_layers=self.num_layers, hidden=t.hidden, seq=t.seq, vocab=self.vocab,
-                          ffn=self.dense_ffn, heads=t.heads, gated=True, micro_batch=t.mbs,
-                          experts=t.experts, topk=t.topk, moe_ffn=t.expert_ffn,
-                          shared_ffn=t.expert_ffn * t.shared_experts,
-                          moe_layer_freq=(0,) * self.dense_layers + (1,) * (self.num_layers - self.dense_layers),
-                          mtp_layers=self.mtp_layers, mla=True, q_lora_rank=t.q_lora,
-                          kv_lora_rank=t.kv_lora, qk_head_dim=t.qk_nope, qk_pos_dim=t.qk_rope,
-                          v_head_dim=t.v_head)
-
-
 def _digits4(value: float) -> Fraction:
     return Fraction(round(value * 10000), 10000)
 
@@ -181,15 +153,15 @@ class PairCosts(StageCosts):
 
 
 class Realistic:
-    """The whole model placed layer by layer (see the module docstring)."""
+    """The whole ``model`` placed layer by layer (see the module docstring); ``target`` is its
+    1/P stage of MoE layers (:func:`~.shapes.stage_shape`), which ``times`` and ``chunk`` are of."""
 
-    def __init__(self, spec: ModelSpec, target: LayerShape, times: StageTimes, chunk: ChunkCount,
+    def __init__(self, model: ModelShape, target: ModelShape, times: StageTimes, chunk: ChunkCount,
                  loss: float, ranks: int, microbatches: int) -> None:
-        self.spec, self.ranks, self.microbatches = spec, ranks, microbatches
-        model = spec.shape(target)
+        self.model, self.ranks, self.microbatches = model, ranks, microbatches
         flops = LayerCosts.from_shape(model)
         moe = model.decoder(True)
-        per = target.layers
+        per = target.num_layers
         # An F-then-B pair's compute / lone compute (a second stream overlaps W): the pair rule's
         # fb_ratio; it and the loss to 4 digits, so the layout search's integer timer stays small.
         self.fb_ratio = _digits4(times.FB / (times.F + times.B))
@@ -214,13 +186,13 @@ class Realistic:
         self.mtp_moe = moe_layers[-1]
         layer = Fraction(1, per)  # one transformer layer, in 1/P stages (activations and params)
         self.layer_unit = layer
-        self.logits = Fraction(target.tokens * spec.vocab * LOGIT_BYTES, chunk.saved_bytes)
-        self.table = Fraction(spec.vocab * target.hidden, chunk.params)  # embedding or output weights
+        self.logits = Fraction(target.tokens * model.vocab * LOGIT_BYTES, chunk.saved_bytes)
+        self.table = Fraction(model.vocab * target.hidden, chunk.params)  # embedding or output weights
         self.p2p = microseconds(times.p2p)
 
     def counts(self, sched: Schedule, auto_layout: bool) -> list[int]:
         if not auto_layout:
-            return megatron_counts(self.spec.num_layers, sched.stages)
+            return megatron_counts(self.model.num_layers, sched.stages)
         return list(best_counts(sched, self.layers, self.fb_ratio, self.p2p))
 
     def plan(self, sched: Schedule, overlap: bool, auto_layout: bool) -> Plan:
@@ -231,13 +203,13 @@ class Realistic:
         for d, s in sched.placement:
             start = sum(counts[:s])
             moe = sum(self.moe_layers[start:start + counts[s]])
-            moe += self.spec.mtp_layers * self.mtp_moe if s == last else 0
-            layers = counts[s] + (self.spec.mtp_layers if s == last else 0)
-            act[(d, s)] = layers * self.layer_unit + (self.logits * (1 + self.spec.mtp_layers) if s == last else 0)
+            moe += self.model.mtp_layers * self.mtp_moe if s == last else 0
+            layers = counts[s] + (self.model.mtp_layers if s == last else 0)
+            act[(d, s)] = layers * self.layer_unit + (self.logits * (1 + self.model.mtp_layers) if s == last else 0)
             params[(d, s)] = layers * self.layer_unit + self.table * ((s == 0) + (s == last))
             comm[(d, s)] = (moe * self.a2a[0], moe * self.a2a[1])
         costs = PairCosts(linear.stages, linear.fb_ratio, linear.c, comm, self.loss if overlap else Fraction(1))
-        return Plan(costs, act, params, costs.exposed, layout_string(counts, self.spec.mtp_layers))
+        return Plan(costs, act, params, costs.exposed, layout_string(counts, self.model.mtp_layers))
 
 
 def weighted_peak(ops: list[Op], weight: dict[tuple[int, int], Fraction]) -> Fraction:
@@ -254,5 +226,5 @@ def weighted_peak(ops: list[Op], weight: dict[tuple[int, int], Fraction]) -> Fra
     return peak
 
 
-__all__ = ["FromFile", "ModelSpec", "PairCosts", "Placement", "Plan", "Realistic", "Uniform", "megatron_counts",
+__all__ = ["FromFile", "PairCosts", "Placement", "Plan", "Realistic", "Uniform", "megatron_counts",
            "weighted_peak"]

@@ -7,11 +7,12 @@ from typing import Any, Sequence
 
 from ..schedules.cli import markdown_table
 from ..schedules.ir import ScheduleError
+from ..schedules.model_shape import ModelShape
 from .comm import Network
 from .costs import StageTimes
 from .count import ChunkCount
 from .project import Projection
-from .shapes import LayerShape
+from .shapes import shape_to_json
 
 GIB = 2**30
 
@@ -19,7 +20,8 @@ ASSUMPTIONS = [
     "Compute: per-op costs of a chunk are measured (`measure`: single-process, no "
     "communication; `calibrate`: compute kernels of a GPU profile) and "
     "scaled to the target shape by each op's FLOP ratio, i.e. the same achieved FLOP/s at "
-    "both shapes; FLOPs count matrix products and attention only, causal attention as full.",
+    "both shapes; FLOPs count matrix products and attention only, causal attention as the half "
+    "of the square under the mask (what causal flash kernels compute; schedules/model_shape.py).",
     "The measured layer is plain torch shaped like DeepSeek-V3's (MLA + MoE, 256 experts "
     "top-8, one shared); an EP rank's experts get a perfectly balanced load; rotary "
     "embedding is left out; the uniform placement also leaves out the embedding/output layers, "
@@ -49,8 +51,8 @@ ASSUMPTIONS = [
 
 REALISTIC = [
     "Realistic placement: the whole model layer by layer; each layer's F, B and W are one MoE "
-    "layer's projected compute scaled by the FLOP ratio to a MoE layer (schedules/layout.py's "
-    "FLOP model: dense layers, MLA, output layer + loss, MTP); all-to-all only on MoE layers "
+    "layer's projected compute scaled by the FLOP ratio to a MoE layer (the same FLOP count, "
+    "schedules/model_shape.py: dense layers, MLA, output layer + loss, MTP); all-to-all only on MoE layers "
     "(MTP's layer included). Each F&B pair is judged on its own: its compute C (its stages' "
     "compute times the measured F-then-B ratio) and its all-to-all A cost max(C, A) + overlap "
     "loss x min(C, A); the layout search and the op-order optimizer use the linear form "
@@ -124,15 +126,15 @@ def markdown(table: list[dict[str, Any]]) -> str:
                    + "; ".join(layouts) if layouts else "")
 
 
-def inputs_text(target: LayerShape, times: StageTimes, net: Network, ranks: int,
+def inputs_text(target: ModelShape, times: StageTimes, net: Network, ranks: int,
                 microbatches: int, chunks: Sequence[int], loss: float, placement: str) -> str:
     s = target
     return "\n".join([
         f"Job: P={ranks} pipeline ranks, EP={s.ep}, M={microbatches} micro-batches per step "
         f"(DualPipe: {microbatches // 2} per direction), interleaved with "
         f"{' and '.join(map(str, chunks))} chunks per rank; "
-        f"one 1/P stage = {s.layers} MoE layers of hidden {s.hidden}, top-{s.topk} of "
-        f"{s.experts} experts, {s.mbs}x{s.seq} tokens per micro-batch.",
+        f"one 1/P stage = {s.num_layers} MoE layers of hidden {s.hidden}, top-{s.topk} of "
+        f"{s.experts} experts, {s.micro_batch}x{s.seq} tokens per micro-batch.",
         f"Placement: {placement}.",
         f"Compute per 1/P stage and micro-batch ({times.source}): F {_ms(times.F)} ms, "
         f"B {_ms(times.B)} ms, W {_ms(times.W)} ms, F-then-B {_ms(times.FB)} ms.",
@@ -154,12 +156,12 @@ def assumptions_text(realistic: bool = False) -> str:
     return "\n".join(f"- {a}" for a in assumptions(realistic))
 
 
-def json_doc(target: LayerShape, times: StageTimes, net: Network, ranks: int,
+def json_doc(target: ModelShape, times: StageTimes, net: Network, ranks: int,
              microbatches: int, chunks: Sequence[int], loss: float, table: list[dict[str, Any]],
              op_costs: str | None, placement: str) -> dict[str, Any]:
     return {
         "job": {"ranks": ranks, "microbatches": microbatches, "chunks": list(chunks),
-                "stage_shape": target.to_json_obj(), "placement": placement},
+                "stage_shape": shape_to_json(target), "placement": placement},
         "op_costs": op_costs or "built-in",
         "network": asdict(net),
         "overlap_loss": loss,
