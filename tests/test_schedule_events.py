@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from fractions import Fraction
 
 import pytest
 
 from dualpipe_megatron.schedules import GENERATORS, build_schedule
-from dualpipe_megatron.schedules.events import (Encoder, live_change, needs, peak, peak_live_activations, produces,
-                                                receives, sends, timing)
+from dualpipe_megatron.schedules.events import (Encoder, Replay, live_change, needs, peak, peak_live_activations,
+                                                produces, receives, sends, timing)
 from dualpipe_megatron.schedules.ir import FB, B, F, Key, Schedule, W, halves
 
 
@@ -74,3 +75,21 @@ def test_a_stalled_order_is_reported_with_what_ran() -> None:
     lists[1] = [lists[1][1], lists[1][0], *lists[1][2:]]  # rank 1 backs up micro-batch 0 before its forward
     t = timing(lists, durations, Encoder(sched).size)
     assert not t.complete and t.ran == [2, 0]
+
+
+@pytest.mark.parametrize("name,ranks,m", [("dualpipev", 3, 9), ("dualpipe", 4, 8), ("zb1p", 3, 6)])
+def test_replay_times_like_the_event_driven_timer(name: str, ranks: int, m: int) -> None:
+    """Replay's one-pass timing in its completion order equals timing() for new durations."""
+    sched = build_schedule(name, ranks, m)
+    enc = Encoder(sched)
+    flat = [op for ops in sched.ops for op in ops]
+    lists, i = [], 0
+    for ops in sched.ops:
+        lists.append([enc.encode(op, i + j, 3) for j, op in enumerate(ops)])
+        i += len(ops)
+    replay = Replay(lists, enc.size)
+    assert sorted(replay.order) == [(r, j) for r, ops in enumerate(sched.ops) for j in range(len(ops))]
+    rng = random.Random(5)
+    for _ in range(3):
+        durations = [rng.randint(1, 9) for _ in flat]
+        assert replay.makespan(durations) == timing(lists, durations, enc.size).makespan

@@ -14,7 +14,11 @@ op kind", lists what else an op kind touches). API:
   it starts and frees when it ends (live from an F's start to its weight grad's end).
 - :class:`Encoder` turns ops into :class:`TimedOp` (integer events, a cost index, the p2p
   latency on each cross-rank need); :func:`timing` times per-rank lists of them, event-driven,
-  in any number type (Fraction, int, float); :func:`peak` counts an encoded list's peak.
+  in any number type (Fraction, int, float), and reports a rank that stalls (an invalid
+  order); :func:`peak` counts an encoded list's peak.
+- :func:`completion_order` orders a complete unit-cost timing's ops into an order they can
+  complete in; :class:`Replay` keeps that order with each need resolved to the op that makes
+  it, to time one valid schedule under many durations in one pass each (the layout search).
 """
 
 from __future__ import annotations
@@ -221,5 +225,48 @@ def timing(lists: Sequence[Sequence[TimedOp]], durations: Sequence[Any], events:
     return Timing(complete, cursor, start, free, max(free) if free else zero)
 
 
-__all__ = ["Encoder", "Event", "KINDS", "Kind", "TimedOp", "Timing", "kind", "live_change", "needs", "op_needs",
-           "peak", "peak_live_activations", "produces", "receives", "sends", "timing"]
+def completion_order(run: Timing) -> list[tuple[int, int]]:
+    """(rank, index) of every op by its start, then rank and index: with every duration positive
+    (unit costs), each op starts after all the ops it waits for, so they can complete in this order."""
+    if not run.complete:
+        raise ValueError(f"a rank stalled: only {run.ran} ops ran")
+    return [(rank, index) for _, rank, index in
+            sorted((t, rank, index) for rank, starts in enumerate(run.start) for index, t in enumerate(starts))]
+
+
+class Replay:
+    """:func:`timing` of one valid schedule's lists, compiled for timing them again and again.
+
+    The lists are run once at unit costs; their completion order, with each need resolved to
+    the position of the op that makes it, lets :meth:`makespan` time new durations in one pass
+    with no waiting. It gives :func:`timing`'s makespan exactly (same rules: an op starts when
+    its rank is free and its needs, plus their latency, are done).
+    """
+
+    def __init__(self, lists: Sequence[Sequence[TimedOp]], events: int) -> None:
+        ones = [1] * (1 + max((o.cost for ops in lists for o in ops), default=0))
+        self.order = completion_order(timing(lists, ones, events))
+        self.ranks = len(lists)
+        made: dict[int, int] = {}
+        self.steps: list[tuple[int, int, tuple[tuple[int, Any], ...]]] = []  # (rank, cost, (producer, latency))
+        for pos, (rank, index) in enumerate(self.order):
+            o = lists[rank][index]
+            self.steps.append((rank, o.cost, tuple((made[ev], lat) for ev, lat in o.needs)))
+            made.update(dict.fromkeys(o.makes, pos))
+
+    def makespan(self, durations: Sequence[Any], zero: Any = 0) -> Any:
+        end = [zero] * len(self.steps)
+        free = [zero] * self.ranks
+        for pos, (rank, cost, deps) in enumerate(self.steps):
+            ready = free[rank]
+            for dep, lat in deps:
+                t = end[dep] + lat
+                if t > ready:
+                    ready = t
+            end[pos] = free[rank] = ready + durations[cost]
+        return max(free)
+
+
+__all__ = ["Encoder", "Event", "KINDS", "Kind", "Replay", "TimedOp", "Timing", "completion_order", "kind",
+           "live_change", "needs", "op_needs", "peak", "peak_live_activations", "produces", "receives", "sends",
+           "timing"]

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Sequence
 
+from .events import Encoder, Replay, TimedOp
 from .ir import Op, Schedule, ScheduleError, halves
 from .model_shape import ModelShape, cost_of, total
 from .registry import build_schedule
 from .simulate import STAGE_FIELDS, Number, StageCost, StageCosts, exact, simulate
-from .validate import op_needs, produces, validate
+from .validate import validate
 
 SCHEDULES = ("dualpipev", "dualpipe")
 
@@ -166,39 +167,40 @@ def stage_costs_for(sched: Schedule, layer_costs: LayerCosts, counts: Sequence[i
 class _Timer:
     """The makespan :func:`simulate` gives one schedule, for many splits.
 
-    ``simulate`` validates the schedule and resolves its dependencies on every call (about
-    0.3 s at P=16, M=120) and times in fractions; a search times thousands of splits. This does
-    both once and times in integers: costs come scaled to integers, and each op's duration,
-    linear in its stages' F, B and W, has its coefficients read off :meth:`StageCosts.duration`
-    once (times ``fb_ratio``'s denominator, which makes them whole), so the cost rules stay the
-    simulator's. Tests hold the result equal to ``simulate``'s.
+    ``simulate`` validates the schedule and encodes its ops on every call and times in
+    fractions; a search times thousands of splits. This does both once and times in integers
+    with the events core's :class:`~.events.Replay`: costs come scaled to integers (the p2p
+    latency ``c`` too), and each op's duration, linear in its stages' F, B and W, has its
+    coefficients read off :meth:`StageCosts.duration` once (times ``fb_ratio``'s denominator,
+    which makes them whole), so the cost rules stay the simulator's. An op's cost index is its
+    shape (kind and stages): a split gives one duration per shape. Tests hold the result
+    equal to ``simulate``'s.
     """
 
-    def __init__(self, sched: Schedule, fb_ratio: Fraction) -> None:
+    def __init__(self, sched: Schedule, fb_ratio: Fraction, c: int) -> None:
+        validate(sched)
         self.sched = sched
         self.scale = fb_ratio.denominator
+        encoder = Encoder(sched)
         shapes: dict[tuple, int] = {}
         self.terms: list[list[tuple[int, ...]]] = []  # per shape: (stage, F/B/W, coefficient)
-        self.rank: list[int] = []
-        self.shape: list[int] = []
-        self.deps: list[tuple[tuple[int, bool], ...]] = []
-        made: dict[Any, tuple[int, int]] = {}
-        for pos, (rank, index) in enumerate(validate(sched)):
-            op = sched.ops[rank][index]
-            shape = tuple((type(h).__name__, h.key.d, h.key.s, getattr(h, "w", True)) for h in halves(op))
-            if shape not in shapes:
-                shapes[shape] = len(self.terms)
-                self.terms.append(self._coefficients(op, fb_ratio, self.scale))
-            self.rank.append(rank)
-            self.shape.append(shapes[shape])
-            self.deps.append(tuple((made[e][0], made[e][1] != rank) for e in op_needs(op, sched.stages)))
-            for e in produces(op):
-                made[e] = (pos, rank)
+        lists: list[list[TimedOp]] = []
+        for ops in sched.ops:
+            row = []
+            for op in ops:
+                shape = tuple((type(h).__name__, h.key.d, h.key.s, getattr(h, "w", True)) for h in halves(op))
+                if shape not in shapes:
+                    shapes[shape] = len(self.terms)
+                    self.terms.append(self._coefficients(op, fb_ratio, self.scale))
+                row.append(encoder.encode(op, shapes[shape], c))
+            lists.append(row)
+        self.replay = Replay(lists, encoder.size)
         # Each rank's total op time, linear in its stages' costs too: {(stage, F/B/W): coefficient}.
         self.per_rank: list[dict[tuple[int, int], int]] = [{} for _ in range(sched.ranks)]
-        for rank, shape in zip(self.rank, self.shape):
-            for s, i, coef in self.terms[shape]:
-                self.per_rank[rank][(s, i)] = self.per_rank[rank].get((s, i), 0) + coef
+        for rank, row in enumerate(lists):
+            for o in row:
+                for s, i, coef in self.terms[o.cost]:
+                    self.per_rank[rank][(s, i)] = self.per_rank[rank].get((s, i), 0) + coef
 
     @staticmethod
     def _coefficients(op: Op, fb_ratio: Fraction, scale: int) -> list[tuple[int, ...]]:
@@ -224,28 +226,19 @@ class _Timer:
         """Each rank's total op time, times ``scale``: no step is shorter than any of them."""
         return [sum(coef * stage_costs[s][i] for (s, i), coef in row.items()) for row in self.per_rank]
 
-    def makespan(self, durations: list[int], c: int) -> int:
-        end = [0] * len(self.rank)
-        free = [0] * self.sched.ranks
-        for pos, (rank, shape, deps) in enumerate(zip(self.rank, self.shape, self.deps)):
-            ready = free[rank]
-            for dep, cross in deps:
-                t = end[dep] + c if cross else end[dep]
-                if t > ready:
-                    ready = t
-            end[pos] = free[rank] = ready + durations[shape]
-        return max(free)
+    def makespan(self, durations: list[int]) -> int:
+        return self.replay.makespan(durations)
 
 
 class _Search:
     """Steepest descent over splits: each step moves one decoder layer between two stages."""
 
     def __init__(self, sched: Schedule, layer_costs: LayerCosts, fb_ratio: Fraction, c: Fraction) -> None:
-        self.timer = _Timer(sched, fb_ratio)
         lc = layer_costs
         parts = (lc.embedding, lc.loss, *lc.decoder, *lc.mtp)
         self.unit = unit = math.lcm(*(getattr(p, f).denominator for p in parts for f in STAGE_FIELDS),
                                     c.denominator)
+        self.timer = _Timer(sched, fb_ratio, int(c * unit) * fb_ratio.denominator)
 
         def ints(cost: StageCost) -> tuple[int, ...]:
             return tuple(int(getattr(cost, f) * unit) for f in STAGE_FIELDS)
@@ -255,7 +248,6 @@ class _Search:
         self.prefix: list[tuple[int, ...]] = [(0,) * len(STAGE_FIELDS)]
         for cost in lc.decoder:
             self.prefix.append(tuple(a + b for a, b in zip(self.prefix[-1], ints(cost))))
-        self.c = int(c * unit) * self.timer.scale
         self.min_last = 0 if lc.mtp else 1
         self.seen: dict[tuple[int, ...], tuple] = {}
 
@@ -276,7 +268,7 @@ class _Search:
         """Shortest step (in units of 1 / (``unit`` x ``timer.scale``)) first, then the more
         even split, then the order of the counts."""
         if counts not in self.seen:
-            step = self.timer.makespan(self.timer.durations(self.stage_costs(counts)), self.c)
+            step = self.timer.makespan(self.timer.durations(self.stage_costs(counts)))
             self.seen[counts] = (step, sum(n * n for n in counts), counts)
         return self.seen[counts]
 

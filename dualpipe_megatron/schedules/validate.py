@@ -8,7 +8,7 @@ can complete.
 from __future__ import annotations
 
 from collections import Counter
-from .events import Encoder, Event, kind, op_needs, produces, timing
+from .events import Encoder, Event, completion_order, kind, op_needs, produces, timing
 from .ir import B, Key, Schedule, ScheduleError, W, halves
 
 
@@ -104,8 +104,7 @@ def replay(sched: Schedule) -> list[tuple[int, int]]:
     if not run.complete:
         done = {e for rank, ops in enumerate(sched.ops) for op in ops[:run.ran[rank]] for e in produces(op)}
         raise ValidationError(_deadlock_message(sched, run.ran, done, where_made))
-    return [(rank, index) for _, rank, index in
-            sorted((t, rank, index) for rank, starts in enumerate(run.start) for index, t in enumerate(starts))]
+    return completion_order(run)
 
 
 def _deadlock_message(
