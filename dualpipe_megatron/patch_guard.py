@@ -3,7 +3,9 @@
 A patch applied to a symbol whose shape we do not know would fail silently or corrupt results,
 so we check before replacing and refuse unsupported versions outright. Each subsystem (CPU
 compat, the training flag, each weight-grad deferral, mirror replicas, EPLB, strict mode) owns
-one :class:`PatchSet`, so undoing one leaves the others live. This module imports no other
+one :class:`PatchSet`, so undoing one leaves the others live. A symbol belongs to one set at a
+time; only strict mode's recorders stack on another set's patch (CPU compat's
+``all_to_all_single``), and they are restored first. This module imports no other
 sub-package, so the runtime, the Megatron adapter and EPLB all patch through it; the
 Megatron-specific checks (version, private symbols) live in :mod:`.megatron.guard`.
 
@@ -107,8 +109,9 @@ def _same_kind(owner: Any, name: str, new: Any, label: str) -> Any:
     return kind(new) if kind in _DESCRIPTORS else new
 
 
-# (id(owner), name) -> the set holding that patch; a symbol belongs to one subsystem at a time.
-_holders: dict[tuple[int, str], PatchSet] = {}
+# (id(owner), name) -> the sets holding that patch, the newest (the one callers reach) last. A
+# symbol belongs to one subsystem at a time, except that a recorder may stack on top of it.
+_holders: dict[tuple[int, str], list[PatchSet]] = {}
 
 
 class PatchSet:
@@ -122,32 +125,34 @@ class PatchSet:
         self._saved: dict[tuple[int, str], tuple[Any, str, Any]] = {}
 
     def patch(self, owner: Any, name: str, new: Any,
-              signature: str | Sequence[str] | None = None) -> bool:
+              signature: str | Sequence[str] | None = None, stack: bool = False) -> bool:
         """Replace ``owner.name`` by ``new``; False if this set already did.
 
         ``signature`` is the full bare signature (Megatron) or leading parameter names (torch) of
         the attribute as callers see it (``getattr(owner, name)``); None for non-callables and
-        builtins. A mismatch, a missing symbol or another set's patch raises and patches nothing.
+        builtins. A mismatch, a missing symbol or another set's patch raises and patches nothing,
+        unless ``stack``: then ``new`` wraps the other set's patch (strict mode's recorders
+        observe whatever callers reach), and this set must be restored before that one.
         """
         key = (id(owner), name)
         label = _label(owner, name)
-        holder = _holders.get(key)
-        if holder is self:
+        holders = _holders.get(key, [])
+        if self in holders:
             return False
-        if holder is not None:
-            raise RuntimeError(f"cannot patch {label} for {self.name}: {holder.name} patched it")
+        if holders and not stack:
+            raise RuntimeError(f"cannot patch {label} for {self.name}: {holders[-1].name} patched it")
         if not hasattr(owner, name):
             raise unsupported(f"cannot patch {label}", "symbol not found")
         if signature is not None:
             check_signature(getattr(owner, name), signature, f"cannot patch {label}")
         new = _same_kind(owner, name, new, label)
         self._saved[key] = (owner, name, _saved_value(owner, name))
-        _holders[key] = self
+        _holders.setdefault(key, []).append(self)
         setattr(owner, name, new)
         return True
 
     def is_patched(self, owner: Any, name: str) -> bool:
-        return _holders.get((id(owner), name)) is self
+        return self in _holders.get((id(owner), name), [])
 
     def labels(self) -> list[str]:
         """The qualified names this set holds now, in patch order: the record docs are checked
@@ -155,13 +160,21 @@ class PatchSet:
         return [_label(owner, name) for owner, name, _ in self._saved.values()]
 
     def restore(self) -> None:
-        """Put back exactly what each patch replaced, newest first (idempotent)."""
+        """Put back exactly what each patch replaced, newest first (idempotent). Refuses, and
+        restores nothing, while another set's patch is stacked on one of this set's."""
+        for key, (owner, name, _) in self._saved.items():
+            top = _holders[key][-1]
+            if top is not self:
+                raise RuntimeError(f"cannot restore {_label(owner, name)} for {self.name}: "
+                                   f"{top.name} patched over it; restore that first")
         for key, (owner, name, saved) in reversed(list(self._saved.items())):
             if saved is _INHERITED:
                 delattr(owner, name)
             else:
                 setattr(owner, name, saved)
-            del _holders[key]
+            _holders[key].pop()
+            if not _holders[key]:
+                del _holders[key]
         self._saved.clear()
 
 
@@ -179,5 +192,15 @@ def is_patched(owner: Any, name: str) -> bool:
     return (id(owner), name) in _holders
 
 
-__all__ = ["SUPPORTED", "SUPPORTED_MEGATRON", "PatchSet", "around", "check_signature", "is_patched",
-           "megatron_version", "unsupported"]
+def installed() -> dict[str, list[str]]:
+    """Every live patch by subsystem: ``{set name: its labels()}``, sets in the order of their
+    first patch. The record docs/training.md's route table is checked against."""
+    sets: dict[int, PatchSet] = {}
+    for holders in _holders.values():
+        for holder in holders:
+            sets.setdefault(id(holder), holder)
+    return {holder.name: holder.labels() for holder in sets.values()}
+
+
+__all__ = ["SUPPORTED", "SUPPORTED_MEGATRON", "PatchSet", "around", "check_signature", "installed",
+           "is_patched", "megatron_version", "unsupported"]

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
+import subprocess
+import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,6 +118,58 @@ def test_a_symbol_belongs_to_one_subsystem(patches: PatchSet) -> None:
     assert _Target().method(1) == 2
 
 
+def test_a_stacked_patch_wraps_another_sets_and_is_restored_first(patches: PatchSet) -> None:
+    original = inspect.getattr_static(_Target, "method")
+    assert patches.patch(_Target, "method", lambda self, a, b=1: -a, "(self, a, b=1)")
+    below = inspect.getattr_static(_Target, "method")
+    recorder = PatchSet("recorder")
+    assert recorder.patch(_Target, "method", lambda self, a, b=1: below(self, a, b) * 10, ["self", "a"],
+                          stack=True)
+    assert not recorder.patch(_Target, "method", lambda self, a, b=1: 0, stack=True)  # idempotent
+    assert _Target().method(2) == -20
+    assert patch_guard.installed() == {"test": [f"{__name__}._Target.method"],
+                                       "recorder": [f"{__name__}._Target.method"]}
+    with pytest.raises(RuntimeError, match="recorder patched over it; restore that first"):
+        patches.restore()
+    assert _Target().method(2) == -20  # nothing restored
+    recorder.restore()
+    assert inspect.getattr_static(_Target, "method") is below and patches.is_patched(_Target, "method")
+    assert not recorder.is_patched(_Target, "method")
+    patches.restore()
+    assert inspect.getattr_static(_Target, "method") is original
+    assert patch_guard.installed() == {}
+
+
+def test_strict_mode_records_through_the_guard_and_restores() -> None:
+    """Strict mode's recorders are one guarded patch set per step, stacked on CPU compat's
+    all_to_all_single, and put every collective back when the step stops (also twice)."""
+    import torch.distributed as dist
+
+    from dualpipe_megatron.runtime.comm_log import CommLog
+    from dualpipe_megatron.runtime.strict import COLLECTIVES, StepRecorder
+
+    was_installed = cpu_compat.PATCHES.is_patched(dist, "all_to_all_single")
+    cpu_compat.install_cpu_compat(["all_to_all"], force=True)
+    before = {name: inspect.getattr_static(dist, name) for name in COLLECTIVES}
+    recorder = StepRecorder(CommLog(0, [0, 1]))
+    recorder.start()
+    try:
+        assert recorder.patches.labels() == [f"torch.distributed.{name}" for name in COLLECTIVES]
+        assert all(inspect.getattr_static(dist, name) is not before[name] for name in COLLECTIVES)
+        with pytest.raises(RuntimeError, match="strict mode patched over it"):
+            cpu_compat.uninstall_cpu_compat()
+        with pytest.raises(RuntimeError, match="inside another one"):
+            StepRecorder(CommLog(0, [0, 1])).start()
+    finally:
+        recorder.stop()
+    recorder.stop()
+    assert {name: inspect.getattr_static(dist, name) for name in COLLECTIVES} == before
+    assert cpu_compat.PATCHES.is_patched(dist, "all_to_all_single")
+    assert "strict mode" not in patch_guard.installed()
+    if not was_installed:
+        cpu_compat.uninstall_cpu_compat()
+
+
 def test_private_symbols() -> None:
     guard.check_private_symbols()  # the real table matches the installed megatron-core
     module = "megatron.core.pipeline_parallel.schedules"
@@ -215,3 +271,100 @@ def test_mirror_replicas_patch_once_and_restore() -> None:
         uninstall_mirror_replicas()
     assert "sharded_state_dict" not in vars(chunk)
     assert chunk.sharded_state_dict()["weight"].replica_id == (0, 0, 0)
+
+
+TRAINING_MD = Path(__file__).resolve().parent.parent / "docs" / "training.md"
+ROUTES_SECTION = "### What each route patches"
+# Run by the launcher in a fresh interpreter: the guard's record per route, and of the sets a job adds.
+ROUTE_RECORDS = """
+import json, types
+from dualpipe_megatron import patch_guard, routes
+from dualpipe_megatron.eplb import training as eplb_training
+from dualpipe_megatron.megatron import cpu_compat, mtp, training_support, wgrad_megatron, wgrad_te
+from dualpipe_megatron.runtime.comm_log import CommLog
+from dualpipe_megatron.runtime.strict import StepRecorder
+
+record = {"launcher": patch_guard.installed()}
+routes.uninstall_for_megatron()
+cpu_compat.uninstall_cpu_compat()
+record["uninstalled"] = patch_guard.installed()
+training_support.install()
+record["runtime patches"] = patch_guard.installed()
+routes.uninstall_for_megatron()
+record["install_for_megatron route"] = routes.install_for_megatron()
+record["install_for_megatron"] = patch_guard.installed()
+wgrad_megatron.install_linear_deferral()
+wgrad_te.install_delayed_wgrad_deferral()
+with mtp.recording_mtp_metrics(types.SimpleNamespace(mtp_num_layers=1), lambda: 0):
+    pass
+eplb_training.install_patches()
+recorder = StepRecorder(CommLog(0, [0]))
+recorder.start()
+record["job"] = patch_guard.installed()
+recorder.stop()
+routes.uninstall_for_megatron()
+record["job uninstalled"] = patch_guard.installed()
+print("ROUTE_RECORDS " + json.dumps(record))
+"""
+
+
+def _table(section: str, header: str) -> dict[str, list[str]]:
+    """The table of ``section`` whose header row starts with ``header``: each row's first-cell
+    key (bold or code) -> the row's other cells."""
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header} |"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        first, *cells = [c.strip() for c in line.strip("|").split(" | ")]
+        rows[re.match(r"(?:\*\*|`)([^*`]+)", first).group(1)] = cells
+    return rows
+
+
+def documented_patches() -> tuple[dict[str, list[str]], dict[str, tuple[list[str], list[str]]]]:
+    """From docs/training.md: {patch set: symbols} and {route: (sets it installs, sets a job adds)}."""
+    section = TRAINING_MD.read_text().split(ROUTES_SECTION)[1].split("\n## ")[0]
+    sets = {name: re.findall(r"`((?:megatron|torch)\.[\w.]+)`", cells[1])
+            for name, cells in _table(section, "patch set").items()}
+    spans = lambda cell: [s for s in re.findall(r"`([^`]+)`", cell) if s in sets]  # noqa: E731
+    routes_ = {name: (spans(cells[0]), spans(cells[1])) for name, cells in _table(section, "route").items()}
+    return sets, routes_
+
+
+@pytest.fixture(scope="module")
+def route_records(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    script = tmp_path_factory.mktemp("routes") / "record_routes.py"
+    script.write_text(ROUTE_RECORDS)
+    root = str(Path(__file__).resolve().parent.parent)
+    run = subprocess.run([sys.executable, "-m", "dualpipe_megatron.launch", str(script)], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.split("ROUTE_RECORDS ", 1)[1])
+
+
+def test_the_docs_list_each_patch_sets_symbols_as_the_guard_records_them(route_records: dict) -> None:
+    sets, _ = documented_patches()
+    assert [name for name, symbols in sets.items() if not symbols] == ["mirror replicas", "CPU compat"]
+    recorded = {**route_records["runtime patches"], **route_records["job"]}
+    assert sorted(recorded) == sorted(set(sets) - {"mirror replicas", "CPU compat"})
+    for name, labels in recorded.items():
+        assert labels == sets[name], name
+
+
+def test_each_route_installs_what_the_docs_list(route_records: dict) -> None:
+    _, documented = documented_patches()
+    assert list(documented) == ["runtime patches", "plugin", "install_for_megatron", "launcher"]
+    assert route_records["install_for_megatron route"] == "runtime-patches"  # no extension point here
+    for route in ("runtime patches", "install_for_megatron", "launcher"):
+        assert sorted(route_records[route]) == sorted(documented[route][0]), route
+    assert "CPU compat" in route_records["launcher"]
+    assert documented["plugin"][0] == []  # test_upstream_patch checks the plugin's record after a run
+    job = set(route_records["job"]) - set(route_records["install_for_megatron"])
+    assert job == set(documented["runtime patches"][1]) - {"mirror replicas"}, job  # no model here
+    assert set(documented["plugin"][1]) == {"stage predicates", *documented["runtime patches"][1]}
+
+
+def test_uninstalling_the_routes_leaves_no_patch(route_records: dict) -> None:
+    assert route_records["uninstalled"] == {}
+    assert route_records["job uninstalled"] == {}

@@ -23,6 +23,7 @@ import pytest
 
 from launcher import free_port
 from pretrain_runs import EVAL, LOSS, REPO, TORCHRUN
+from test_guard import documented_patches
 
 PATCH = REPO / "patches" / "megatron-core-0.19.2-schedule-extension-point.patch"
 DRIVER = Path(__file__).with_name("upstream_driver.py")
@@ -51,6 +52,8 @@ RUNTIME_PATCHED = [
     "megatron.training.training.get_forward_backward_func",
     "megatron.training.checkpointing.check_checkpoint_args",
 ]
+# What building a DualPipeV model without MTP patches, on either route (docs/training.md).
+MODEL_PATCHES = {"stage predicates", "linear weight-grad deferral", "delayed-wgrad deferral"}
 
 # Evaluation at iteration 4, then on the validation and test sets after training.
 EVALUATIONS = ["4", "4 on test set", "4 on validation set"]
@@ -135,6 +138,23 @@ def runtime_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def inert_run(patched_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return train(tmp_path_factory.mktemp("inert"), "none", [patched_root, REPO], FLAGS)
+
+
+def _training_patches(report: dict[str, Any]) -> dict[str, list[str]]:
+    """The guard's record at the end of a run, CPU compat aside (megatron_cpu.md lists it)."""
+    return {name: labels for name, labels in report["installed"].items() if name != "CPU compat"}
+
+
+def check_route_record(route: str, report: dict[str, Any]) -> None:
+    """A run's guard record against docs/training.md's tables for ``route``: what installing it
+    patched, and what the job added (each set's symbols as documented)."""
+    symbols, routes = documented_patches()
+    installs, adds = routes[route]
+    assert sorted(set(report["installed_at_start"]) - {"CPU compat"}) == sorted(installs)
+    at_end = _training_patches(report)
+    assert set(installs) | MODEL_PATCHES <= set(at_end) <= set(installs) | set(adds), at_end
+    for name, labels in at_end.items():
+        assert labels == symbols[name], name
 
 
 def _load_plugins_module(root: Path) -> Any:
@@ -222,8 +242,9 @@ def test_plugin_trains_dualpipev_without_runtime_patches(plugin_run: dict[str, A
         assert report["route"] == "plugin"
         assert report["megatron_training"] == str(copy)
         assert report["get_model_file"] == str(copy / "training.py")  # Megatron's own get_model
-        assert report["patched"] == []
-        assert report["eplb_patched"] == []  # no --eplb-* flag: EPLB left Megatron alone
+        assert "training flag support" not in report["installed"]
+        assert "EPLB" not in report["installed"]  # no --eplb-* flag: EPLB left Megatron alone
+        check_route_record("plugin", report)
         assert report["registered_plugin"] == "DualPipeSchedulePlugin"
         # train() and each evaluate() took their forward_backward_func from the plugin.
         schedules = report["plugin_schedules"]
@@ -237,8 +258,10 @@ def test_plugin_losses_equal_runtime_patch_losses(plugin_run: dict[str, Any],
     for report in runtime_run["reports"]:
         assert report["route"] == "runtime-patches"
         assert report["megatron_training"] == str(installed_megatron() / "training")
-        assert report["patched"] == RUNTIME_PATCHED  # the check the plugin run passes is live
-        assert report["eplb_patched"] == []
+        # The check the plugin run passes is live:
+        assert report["installed"]["training flag support"] == RUNTIME_PATCHED
+        assert "EPLB" not in report["installed"]
+        check_route_record("runtime patches", report)
     assert sorted(runtime_run["losses"]) == ITERATIONS, runtime_run["log"][-4000:]
     assert sorted(runtime_run["eval_losses"]) == EVALUATIONS, runtime_run["log"][-4000:]
     assert plugin_run["losses"] == runtime_run["losses"]
@@ -253,4 +276,4 @@ def test_patched_megatron_without_plugin_runs_1f1b(inert_run: dict[str, Any],
     for report in inert_run["reports"]:
         assert report["megatron_training"] == str(patched_root / "megatron" / "training")
         assert report["registered_plugin"] is None
-        assert report["patched"] == []
+        assert _training_patches(report) == {}

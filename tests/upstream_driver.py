@@ -2,8 +2,9 @@
 
 Installs the CPU layer, then enables ``--pipeline-schedule`` per MODE (``auto``:
 ``routes.install_for_megatron()``; ``none``: nothing), runs the stock SCRIPT as
-``__main__`` and prints one ``UPSTREAM_REPORT {json}`` line saying which megatron ran, which
-schedule symbols were replaced at runtime and which forward_backward_func the plugin supplied.
+``__main__`` and prints one ``UPSTREAM_REPORT {json}`` line saying which megatron ran, what the
+guard recorded as patched (``patch_guard.installed()``) once the route was installed and after
+the run, and which forward_backward_func the plugin supplied.
 """
 
 from __future__ import annotations
@@ -19,19 +20,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat  # noqa: E402
-from dualpipe_megatron.patch_guard import is_patched  # noqa: E402
-from dualpipe_megatron import routes  # noqa: E402
+from dualpipe_megatron import patch_guard, routes  # noqa: E402
 from dualpipe_megatron.megatron import upstream_plugin  # noqa: E402
-
-# What training_support.install() replaces, besides the core stage predicates.
-SCHEDULE_SYMBOLS = (
-    ("megatron.training.arguments", "add_megatron_arguments"),
-    ("megatron.training.arguments", "validate_args"),
-    ("megatron.core.parallel_state", "initialize_model_parallel"),
-    ("megatron.training.training", "get_model"),
-    ("megatron.training.training", "get_forward_backward_func"),
-    ("megatron.training.checkpointing", "check_checkpoint_args"),
-)
 
 
 def _record_schedules(plugin: upstream_plugin.DualPipeSchedulePlugin, seen: list[str]) -> None:
@@ -54,11 +44,11 @@ def main() -> None:
         route = routes.install_for_megatron()
         if route == "plugin":
             _record_schedules(upstream_plugin.PLUGIN, schedules)
+    installed_at_start = patch_guard.installed()
     sys.argv = [script, *flags]
     runpy.run_path(script, run_name="__main__")
 
     import megatron.training.training as training
-    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 
     registered = None
     if upstream_plugin.has_extension_point():
@@ -68,12 +58,8 @@ def main() -> None:
         "route": route,
         "megatron_training": os.path.dirname(training.__file__),
         "get_model_file": inspect.getsourcefile(training.get_model),
-        "patched": [f"{module}.{name}" for module, name in SCHEDULE_SYMBOLS
-                    if is_patched(importlib.import_module(module), name)],
-        # EPLB's flags are registered, but its patches wait for an --eplb-* flag.
-        "eplb_patched": [name for owner, name in ((training, "train_step"), (training, "save_checkpoint"),
-                                                  (training, "load_checkpoint"), (MoEMetricsTracker, "report"))
-                         if is_patched(owner, name)],
+        "installed_at_start": installed_at_start,
+        "installed": patch_guard.installed(),
         "registered_plugin": registered,
         "plugin_schedules": schedules,
     }

@@ -12,7 +12,9 @@ the step on every rank with the model's report. gloo still executes the run,
 so strict mode checks exactly the calls a CPU test made. Assumes the ranks
 involved run their steps in the same sequence (as training loops do).
 ``DUALPIPE_NCCL_STRICT_DIR=DIR`` also writes each failing step's logs to DIR
-for ``python -m dualpipe_megatron.runtime nccl-check``.
+for ``python -m dualpipe_megatron.runtime nccl-check``. The recorders are guarded
+patches (one :class:`~dualpipe_megatron.patch_guard.PatchSet` per step, stacked on
+any other set's patch of a collective), restored when the step ends or fails.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..patch_guard import PatchSet
 from .comm_log import CommLog
 from .nccl_model import Verdict, check
 
@@ -35,11 +38,22 @@ STRICT_DIR_ENV = "DUALPIPE_NCCL_STRICT_DIR"
 _KEY = "dualpipe_nccl_strict"
 _KEEP = 8  # steps a published log stays in the store
 
-# Collectives a step may issue, recorded while a step runs (called as torch.distributed.NAME).
-COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
-    "all_to_all", "all_to_all_single", "broadcast", "reduce", "barrier", "gather", "scatter",
-)
+# Collectives a step may issue, recorded while a step runs (called as torch.distributed.NAME),
+# each with its leading parameters before ``group`` (found by name), which the guard checks.
+COLLECTIVES = {
+    "all_reduce": ["tensor", "op"],
+    "all_gather": ["tensor_list", "tensor"],
+    "all_gather_into_tensor": ["output_tensor", "input_tensor"],
+    "reduce_scatter_tensor": ["output", "input", "op"],
+    "reduce_scatter": ["output", "input_list", "op"],
+    "all_to_all": ["output_tensor_list", "input_tensor_list"],
+    "all_to_all_single": ["output", "input", "output_split_sizes", "input_split_sizes"],
+    "broadcast": ["tensor", "src"],
+    "reduce": ["tensor", "dst", "op"],
+    "barrier": [],
+    "gather": ["tensor", "gather_list", "dst"],
+    "scatter": ["tensor", "scatter_list", "src"],
+}
 
 
 class NcclDeadlockError(RuntimeError):
@@ -64,7 +78,7 @@ class StepRecorder:
 
     def __init__(self, log: CommLog) -> None:
         self.log = log
-        self._saved: dict[str, Callable] = {}
+        self.patches = PatchSet("strict mode")
 
     def start(self) -> None:
         if StepRecorder._active is not None:
@@ -72,15 +86,17 @@ class StepRecorder:
         StepRecorder._active = self
         StepRecorder._steps += 1
         self.step = StepRecorder._steps
-        for name in COLLECTIVES:
-            original = getattr(dist, name)
-            self._saved[name] = original
-            setattr(dist, name, self._recording(name, original))
+        try:
+            for name, leading in COLLECTIVES.items():
+                self.patches.patch(dist, name, self._recording(name, getattr(dist, name)), leading,
+                                   stack=True)
+        except Exception:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        self._saved = {}
+        """Put the collectives back (idempotent)."""
+        self.patches.restore()
         if StepRecorder._active is self:
             StepRecorder._active = None
 
