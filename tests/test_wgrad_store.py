@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from dualpipe_megatron.compat.utils import WeightGradStore
-from dualpipe_megatron.runtime import executor as executor_module
-from dualpipe_megatron.runtime.executor import Executor, StepData
+from dualpipe_megatron.runtime import handlers as handlers_module
+from dualpipe_megatron.runtime.executor import Executor
+from dualpipe_megatron.runtime.handlers import ModuleHandlers, StepData
 from dualpipe_megatron.runtime.p2p import DryTransport, P2P
 from dualpipe_megatron.runtime.plan import MessagePlan
 from dualpipe_megatron.runtime.wgrad import make_linears_deferrable, run_backward
@@ -40,13 +41,14 @@ class _Run:
             make_linears_deferrable(chunk)
         p2p = P2P(DryTransport(), RANK, torch.device("cpu"), lambda edge: [(1, WIDTH)], torch.float32,
                   timeout=1.0, strict=False)
-        self.executor = Executor(SCHED, RANK, self.chunks, p2p, observer=observer)
         count = SCHED.microbatches_per_direction
         inputs = {0: [(torch.randn(1, WIDTH),) for _ in range(count)]}
-        self.data = StepData(inputs, {0: [()] * count}, lambda out: out.square().sum(), False, False)
+        data = StepData(inputs, {0: [()] * count}, lambda out: out.square().sum(), False)
+        self.executor = Executor(SCHED, RANK, ModuleHandlers(self.chunks, data, SCHED.stages - 1), p2p,
+                                 observer=observer)
 
     def step(self) -> list[torch.Tensor]:
-        self.executor.run(PLAN, self.data)
+        self.executor.run(PLAN, forward_only=False)
         return [p.grad for chunk in self.chunks.values() for p in chunk.parameters()]
 
 
@@ -108,7 +110,7 @@ def test_backward_on_another_thread_defers_into_the_executor_store(monkeypatch: 
         if failed:
             raise failed[0]
 
-    monkeypatch.setattr(executor_module, "run_backward", backward_on_a_thread)
+    monkeypatch.setattr(handlers_module, "run_backward", backward_on_a_thread)
     threaded = _Run(seed=3)
     assert _equal(threaded.step(), want)
     assert threaded.executor.stats.deferred == plain.executor.stats.deferred > 0

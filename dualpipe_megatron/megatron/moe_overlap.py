@@ -14,12 +14,10 @@ schedules calls ``combined_forward_backward_step`` with the F half's chunk as
 
 Every forward whose backward may be overlapped must come from a plan (a plan's
 output is linked to its input only through the plan's own nodes), so while the
-overlap is on *every* training forward of a chunk is a plan: a lone F is
-``combined_forward_backward_step`` with no ``b_model``. A lone B (the executor
-backpropagates the stage output with autograd) reaches the plan through a small
-autograd boundary on the stage output, whose backward is
-``combined_forward_backward_step`` with no ``f_model``. Forward-only steps use
-the plain path.
+overlap is on *every* training forward of a chunk is a plan: the handlers
+(:class:`MoEOverlapHandlers`) run a lone F as ``combined_forward_backward_step``
+with no ``b_model``, a lone B as one with no ``f_model``, and an FB op as one
+with both, each with the op's keys. Forward-only steps use the plain path.
 
 Eligible: training steps of MoE models with expert parallelism > 1 and the
 ``alltoall`` or ``flex`` dispatcher, whose ``forward_step_func`` accepts
@@ -53,10 +51,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-
-from ..schedules import FB, Key, Op
+from ..runtime.handlers import Forwarded
+from ..schedules import B, F, FB, Key, Op
 from .predicates import running_chunk
-from .stages import MegatronStage, MegatronStep
+from .stages import MegatronHandlers
 from .support import overlap_blockers
 
 _said: set[str] = set()  # messages printed once per process
@@ -129,132 +127,67 @@ def announce_overlap(overlapped: int, deferred: int, rank_ops: Sequence[Op]) -> 
           f"closures" + (f"; {layers}" if layers else ""), flush=True)
 
 
-class _Pending:
-    """A plan-built forward waiting for its backward: what ``combined_forward_backward_step``
-    needs as ``b_model``/``b_input_tensor``/``b_output_tensor``."""
+class MoEOverlapHandlers(MegatronHandlers):
+    """Handlers whose training forwards are Megatron schedule plans: every F, B and FB op is one
+    ``combined_forward_backward_step`` (an FB op of any two of this rank's stages overlaps)."""
 
-    __slots__ = ("stage", "inputs", "output", "is_last")
+    def forward(self, key: Key, inputs: list[Any]) -> Forwarded:
+        return self._combined(key, inputs, {})
 
-    def __init__(self, stage: "MoEOverlapStage", inputs: list[torch.Tensor], output: torch.Tensor,
-                 is_last: bool) -> None:
-        self.stage, self.inputs, self.output, self.is_last = stage, inputs, output, is_last
+    def backward(self, half: B, inputs: list[Any], loss: torch.Tensor | None, outputs: list[torch.Tensor],
+                 grads: list[torch.Tensor]) -> None:
+        self._combined(None, None, self._b_args(half.key, inputs, loss, outputs, grads))
 
-    def b_args(self, grad: torch.Tensor | None) -> dict[str, Any]:
-        """Keyword arguments of the B half; ``grad`` is ignored on the last stage, where Megatron
-        backpropagates the (grad-scaled) loss itself."""
-        step = self.stage.step
-        pending, self.output = self.output, None  # one backward per forward
-        if pending is None:
-            raise RuntimeError(f"{self.stage.describe()}: backward of a plan-built forward ran twice")
-        return dict(
-            b_model=step.model[self.stage.chunk],
-            b_input_tensor=list(self.inputs) if self.inputs else None,
-            b_output_tensor=[pending],
-            b_output_tensor_grad=[None if self.is_last else grad],
-        )
+    def pairs(self, f: F, b: B) -> bool:
+        return True
 
+    def pair(self, f: F, inputs0: list[Any], b: B, inputs1: list[Any], loss1: torch.Tensor | None,
+             outputs1: list[torch.Tensor], grads1: list[torch.Tensor]) -> Forwarded:
+        return self._combined(f.key, inputs0, self._b_args(b.key, inputs1, loss1, outputs1, grads1))
 
-class _PlanBoundary(torch.autograd.Function):
-    """A plan's output (an alias) whose backward runs the plan's backward (a lone B).
-
-    The output is not an autograd input here: the outer backward must not walk into the
-    plan's graph, which the plan's own backward has already consumed. ``anchor`` (an empty
-    leaf) only makes the alias require grad.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, pending: _Pending, anchor: torch.Tensor) -> torch.Tensor:
-        ctx.pending = pending
-        return pending.output.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        pending, ctx.pending = ctx.pending, None
-        # Autograd runs backward functions with grad mode off; Megatron's B half builds a graph
-        # (the grad-scaled loss) before it backpropagates.
-        with torch.enable_grad():
-            MoEOverlapStage._combined(None, None, pending, grad)
-        return None, None
-
-
-def _pending_of(tensor: torch.Tensor) -> _Pending:
-    pending = getattr(tensor, "_dualpipe_moe_pending", None)
-    if pending is None:
-        raise RuntimeError("overlapped F&B: the B half's output was not built by a schedule plan "
-                           "(every training forward must go through MoEOverlapStage)")
-    return pending
-
-
-class MoEOverlapStage(MegatronStage):
-    """A stage whose training forwards are Megatron schedule plans; an FB op of two such stages
-    runs through :meth:`overlapped_forward_backward` (the executor's DeepSeek-style hook)."""
-
-    def __call__(self, *inputs: torch.Tensor, key: Key) -> torch.Tensor:
-        return self._combined(self, list(inputs), None, None, key)
-
-    @staticmethod
-    def overlapped_forward_backward(
-        module0: "MoEOverlapStage", inputs0: list[torch.Tensor], criterion0: Callable | None,
-        labels0: list[Any], module1: "MoEOverlapStage", loss1: torch.Tensor | None,
-        outputs1: list[torch.Tensor], output_grads1: list[torch.Tensor], key0: Key,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """F of ``module0`` on ``inputs0`` (op key ``key0``) together with B of ``module1`` (DeepSeek's hook)."""
-        if loss1 is not None:
-            pending, grad = _pending_of(loss1), None
+    def _b_args(self, key: Key, inputs: list[Any], loss: torch.Tensor | None, outputs: list[torch.Tensor],
+                grads: list[torch.Tensor]) -> dict[str, Any]:
+        """The B half's keyword arguments: the plan-built output of its F (it carries the plan) and
+        the received grad; on the last stage none, Megatron backpropagates the (grad-scaled) loss."""
+        if loss is not None:
+            output, grad = loss, None
+        elif len(outputs) != 1 or len(grads) != 1:
+            raise RuntimeError(f"overlapped B of {key}: expected one output and one grad, got "
+                               f"{len(outputs)} and {len(grads)}")
         else:
-            if len(outputs1) != 1 or len(output_grads1) != 1:
-                raise RuntimeError(f"{module1.describe()}: expected one output and one grad, got "
-                                   f"{len(outputs1)} and {len(output_grads1)}")
-            pending, grad = _pending_of(outputs1[0]), output_grads1[0]
-        if pending.stage is not module1:
-            raise RuntimeError(f"B half of {module1.describe()} got an output of {pending.stage.describe()}")
-        outputs0 = MoEOverlapStage._combined(module0, list(inputs0), pending, grad, key0)
-        loss0 = criterion0(outputs0, *labels0) if criterion0 is not None else None
-        return outputs0, loss0
+            output, grad = outputs[0], grads[0]
+        return dict(b_model=self.step.model[self.chunk_of[(key.d, key.s)]],
+                    b_input_tensor=list(inputs) if inputs else None,
+                    b_output_tensor=[output], b_output_tensor_grad=[grad])
 
-    @staticmethod
-    def _combined(f: "MoEOverlapStage | None", f_inputs: list[torch.Tensor] | None,
-                  b: _Pending | None, b_grad: torch.Tensor | None, key: Key | None = None) -> torch.Tensor | None:
-        """One ``combined_forward_backward_step``: F of stage ``f`` for op ``key`` (if any) with B of
-        ``b`` (if any).
-
-        Returns F's stage output (on the last stage: the loss) behind a :class:`_PlanBoundary`.
-        """
+    def _combined(self, key: Key | None, f_inputs: list[Any] | None, b_args: dict[str, Any]) -> Forwarded:
+        """One ``combined_forward_backward_step``: the F of ``key`` (if any) on ``f_inputs`` with the
+        B that ``b_args`` describe (if any); returns F's stage output, or on the last stage its loss."""
         from megatron.core.pipeline_parallel.combined_1f1b import combined_forward_backward_step
         from megatron.core.pipeline_parallel.utils import set_streams
 
-        owner = f if f is not None else b.stage
-        step: MegatronStep = owner.step
-        config = step.config
+        step, config = self.step, self.step.config
         set_streams(high_priority=getattr(config, "high_priority_a2a_comm_stream", False))
         kwargs: dict[str, Any] = dict(b_model=None, b_input_tensor=None, b_output_tensor=None,
                                       b_output_tensor_grad=None)
-        if b is not None:
-            kwargs.update(b.b_args(b_grad))
-        if f is None:
+        kwargs.update(b_args)
+        if key is None:
             combined_forward_backward_step(
                 step.forward_step_func, None, None, step.num_microbatches, None, [], config=config,
                 **kwargs)
-            return None
-
-        reader, global_m, first = f.forward_args(key)
-        with running_chunk(f.chunk):
+            return [], None
+        chunk, reader, global_m, first = self.forward_args(key)
+        with running_chunk(chunk):
             output, num_tokens, _ = combined_forward_backward_step(
-                step.forward_step_func, reader, step.model[f.chunk],
+                step.forward_step_func, reader, step.model[chunk],
                 step.num_microbatches, f_inputs[0] if f_inputs else None,
-                step.store_for(f.d, key.m), config=config, f_model_chunk_id=f.chunk,
+                step.store_for(key.d, key.m), config=config, f_model_chunk_id=chunk,
                 is_first_microbatch=first, current_microbatch=global_m, **kwargs,
             )
-        if f.is_last:
-            step.num_tokens += num_tokens
-        pending = _Pending(f, f_inputs, output, f.is_last)
-        alias = _PlanBoundary.apply(pending, torch.empty(0, requires_grad=True))
-        if not f.is_last and output._base is None:
-            # The plan's backward needs its output's graph, not its values: leave the storage to
-            # the alias alone, so the executor's release after the send really frees it.
-            output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
-        alias._dualpipe_moe_pending = pending
-        return alias
+        if key.s != self.last_stage:
+            return [output], None
+        step.num_tokens += num_tokens
+        return [], output
 
 
-__all__ = ["MoEOverlapStage", "announce_overlap", "describe_layers", "overlap_enabled"]
+__all__ = ["MoEOverlapHandlers", "announce_overlap", "describe_layers", "overlap_enabled"]

@@ -26,7 +26,7 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config
 
 from ..runtime.agreement import check_plan_agreement
-from ..runtime.executor import Executor, StepData, StepStats
+from ..runtime.executor import Executor, StepStats
 from ..runtime.p2p import DistTransport, P2P
 from ..runtime.plan import MessagePlan
 from ..schedules import Schedule, ScheduleError, build_schedule, simulate, validate
@@ -37,10 +37,10 @@ from .grads import (
     mirrored_expert_bias_mismatches, sum_mirrored_expert_token_counts, sum_mirrored_grads, sum_tied_embedding_grads,
 )
 from .guard import check_private_symbols
-from .moe_overlap import MoEOverlapStage, announce_overlap, overlap_enabled
+from .moe_overlap import MoEOverlapHandlers, announce_overlap, overlap_enabled
 from .mtp import recording_mtp_metrics, replay_mtp_metrics
 from .predicates import stage_map_active
-from .stages import MegatronStage, MegatronStep, MicrobatchData
+from .stages import MegatronHandlers, MegatronStep, MicrobatchData
 from .support import SCHEDULES, delayed_wgrad_problems, stage_map_for, step_problems
 from .topology import StageMap
 
@@ -208,7 +208,7 @@ def _tracer(options: DualPipeOptions, group: dist.ProcessGroup) -> OpTracer | No
 
 def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: Callable, data_iterator: Any,
              first_val_step: bool | None) -> MegatronStep:
-    """Execute this rank's op list; each stage reads its micro-batch's data by the op's key."""
+    """Execute this rank's op list through Megatron's handlers; each reads its micro-batch's data by the op's key."""
     sp, config = step_plan, step_plan.config
     if config.param_sync_func is not None:
         for c, func in enumerate(_as_list(config.param_sync_func, len(sp.chunks))):
@@ -220,23 +220,17 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
     step = MegatronStep(forward_step_func, sp.chunks, data, config, num_microbatches,
                         sp.pg_collection.cp.size(), sp.forward_only, first_val_step,
                         num_tokens=torch.zeros((), dtype=torch.int, device=device))
-    stage_cls = MoEOverlapStage if sp.overlap else MegatronStage
-    stages = {
-        (d, s): stage_cls(step, c, d, s == sp.sched.stages - 1, d * per_direction)
-        for c, (d, s) in enumerate(sp.sched.stages_on(sp.rank))
-    }
+    handlers_cls = MoEOverlapHandlers if sp.overlap else MegatronHandlers
+    handlers = handlers_cls(step, sp.sched.stages_on(sp.rank), sp.sched.stages - 1, per_direction)
     p2p = P2P(DistTransport(sp.group, list(range(sp.sched.ranks))), sp.rank, device, lambda edge: sp.shapes,
               config.pipeline_dtype, options.timeout, options.debug_p2p)
-    executor = Executor(sp.sched, sp.rank, stages, p2p, defer_weight_grads=options.defer_weight_grads,
+    executor = Executor(sp.sched, sp.rank, handlers, p2p, defer_weight_grads=options.defer_weight_grads,
                         use_overlap_hook=sp.overlap, observer=_tracer(options, sp.group))
-    empty = {d: [() for _ in range(per_direction)] for d in range(sp.sched.directions)}
-    step_data = StepData(inputs=empty, labels=empty, criterion=lambda loss: loss,
-                         return_outputs=False, forward_only=sp.forward_only)
     recording = (contextlib.nullcontext() if sp.forward_only
                  else recording_mtp_metrics(config, lambda: step.microbatch))
     with stage_map_active(sp.stage_map), _no_sync(config, len(sp.chunks)), recording as mtp_records:
         with torch.no_grad() if sp.forward_only else contextlib.nullcontext():
-            executor.run(sp.plan, step_data)
+            executor.run(sp.plan, sp.forward_only)
     step.mtp_records = mtp_records
     options.state.last_stats = executor.stats
     if sp.overlap:

@@ -1,12 +1,12 @@
-"""Megatron model chunks as the executor's stages, and their data by micro-batch key.
+"""Megatron model chunks as the executor's handlers, and their data by micro-batch key.
 
-The executor calls a stage like a module with the received activation; a
-:class:`MegatronStage` runs Megatron's own ``forward_step`` on its chunk for the
-micro-batch the op names (the executor passes the op's key: ``takes_key``), so
-a schedule may run a stage's forwards in any micro-batch order and each still
-reads its own data. Megatron's data iterators are sequential, so
-:class:`MicrobatchData` reads them ahead as far as a requested micro-batch and
-keeps what was read early until it is asked for.
+:class:`MegatronHandlers` runs each F through Megatron's own ``forward_step`` on
+the chunk of the op's stage for the micro-batch the op's key names, so a
+schedule may run a stage's forwards in any micro-batch order and each still
+reads its own data; a loss stage's B is Megatron's ``backward_step``. Megatron's
+data iterators are sequential, so :class:`MicrobatchData` reads them ahead as
+far as a requested micro-batch and keeps what was read early until it is asked
+for.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from torch import nn
 
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
-from ..schedules import Key
+from ..runtime.handlers import Forwarded, StageHandlers
+from ..runtime.wgrad import run_backward
+from ..schedules import B, Key
 from .predicates import running_chunk
 
 
@@ -103,52 +105,58 @@ class MegatronStep:
             data.finish()
 
 
-class MegatronStage:
-    """Stage ``(d, s)`` held in chunk ``chunk``, called by the executor with the op's key.
+class MegatronHandlers(StageHandlers):
+    """This rank's stages ``stages[c]`` (held in chunk ``c``) as Megatron computes them.
 
-    Its input is the received activation (none on the first stage); it runs
-    Megatron's ``forward_step`` for micro-batch ``key.m`` of its direction (global
-    micro-batch ``offset + key.m``) and returns the stage output, or on the last
-    stage the (grad-scaled) loss the executor starts the backward from.
-    ``is_first_microbatch`` (TE's FP8 weight caching) is the first forward this
-    chunk runs in the step, whatever its micro-batch.
+    An F runs Megatron's ``forward_step`` for micro-batch ``key.m`` of its direction (global
+    micro-batch ``key.d * per_direction + key.m``) on the received activation (none on a first
+    stage) and gives the stage output, or on the last stage the loss. ``is_first_microbatch``
+    (TE's FP8 weight caching) is the first forward the chunk runs in the step, whatever its
+    micro-batch. A loss stage's B is Megatron's ``backward_step`` (grad scaling, the
+    backward-compute timer); other B's backpropagate the received grad through the engine,
+    because a sent output has lost its storage (``backward_step`` needs Megatron's one-element
+    stand-in for that).
     """
 
-    takes_key = True
+    def __init__(self, step: MegatronStep, stages: Sequence[tuple[int, int]], last_stage: int,
+                 per_direction: int) -> None:
+        self.step, self.last_stage, self.per_direction = step, last_stage, per_direction
+        self.chunk_of = {ds: c for c, ds in enumerate(stages)}
+        self.forwards = [0] * len(stages)  # per chunk, this step
 
-    def __init__(self, step: MegatronStep, chunk: int, d: int, is_last: bool, offset: int) -> None:
-        self.step, self.chunk, self.d, self.is_last, self.offset = step, chunk, d, is_last, offset
-        self.forwards = 0
-
-    def describe(self) -> str:
-        return f"chunk {self.chunk} (direction {self.d}{', last stage' if self.is_last else ''})"
-
-    def forward_args(self, key: Key) -> tuple[Iterator | None, int, bool]:
-        """(data reader, global micro-batch, first forward of this chunk) for the F of ``key``."""
-        step = self.step
-        first = mcore_schedules.check_first_val_step(step.first_val_step, step.forward_only, self.forwards == 0)
-        self.forwards += 1
-        global_m = self.offset + key.m
+    def forward_args(self, key: Key) -> tuple[int, Iterator | None, int, bool]:
+        """(chunk, data reader, global micro-batch, first forward of the chunk) for the F of ``key``."""
+        step, chunk = self.step, self.chunk_of[(key.d, key.s)]
+        first = mcore_schedules.check_first_val_step(step.first_val_step, step.forward_only,
+                                                     self.forwards[chunk] == 0)
+        self.forwards[chunk] += 1
+        global_m = key.d * self.per_direction + key.m
         step.microbatch = global_m
-        return step.data[self.chunk].reader(global_m), global_m, first
+        return chunk, step.data[chunk].reader(global_m), global_m, first
 
-    def __call__(self, *inputs: torch.Tensor, key: Key) -> torch.Tensor:
+    def forward(self, key: Key, inputs: list[Any]) -> Forwarded:
         step = self.step
-        reader, global_m, first = self.forward_args(key)
-        with running_chunk(self.chunk):
+        chunk, reader, global_m, first = self.forward_args(key)
+        is_last = key.s == self.last_stage
+        with running_chunk(chunk):
             output, num_tokens = mcore_schedules.forward_step(
-                step.forward_step_func, reader, step.model[self.chunk],
+                step.forward_step_func, reader, step.model[chunk],
                 step.num_microbatches, inputs[0] if inputs else None,
-                step.store_for(self.d, key.m), step.config, step.cp_size,
+                step.store_for(key.d, key.m), step.config, step.cp_size,
                 is_first_microbatch=first, current_microbatch=global_m,
-                vp_stage=self.chunk, is_last_stage=self.is_last,
+                vp_stage=chunk, is_last_stage=is_last,
             )
-        if not self.is_last:
-            return output
+        if not is_last:
+            return [output], None
         step.num_tokens += num_tokens
-        if not step.forward_only and step.config.grad_scale_func is not None:
-            output = step.config.grad_scale_func(output)
-        return output
+        return [], output
+
+    def backward(self, half: B, inputs: list[Any], loss: torch.Tensor | None, outputs: list[torch.Tensor],
+                 grads: list[torch.Tensor]) -> None:
+        if loss is not None:
+            mcore_schedules.backward_step(inputs, loss, None, self.step.config)
+        elif outputs:
+            run_backward(outputs, grads)
 
 
-__all__ = ["MegatronStage", "MegatronStep", "MicrobatchData"]
+__all__ = ["MegatronHandlers", "MegatronStep", "MicrobatchData"]

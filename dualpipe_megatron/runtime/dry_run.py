@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..schedules import ScheduleError, build_schedule
-from .executor import Executor, StepData
+from .executor import Executor
+from .handlers import ModuleHandlers, StepData
 from .nccl_model import Verdict
 from .p2p import DryTransport, P2P
 from .plan import MessagePlan
@@ -82,13 +83,13 @@ def record(case: Case) -> dict[int, list[dict[str, Any]]]:
             make_linears_deferrable(chunks[ds])
         p2p = P2P(DryTransport(), rank, torch.device("cpu"), lambda edge: [(1, WIDTH)], torch.float32,
                   timeout=1.0, strict=False, record=True)
-        executor = Executor(sched, rank, chunks, p2p, defer_weight_grads=case.wgrad_split,
-                            use_overlap_hook=case.overlap_hook)
         inputs = {d: [(torch.ones(1, WIDTH),)] * count for d in range(sched.directions)}
         labels = {d: [()] * count for d in range(sched.directions)}
-        data = StepData(inputs, labels, lambda out: out.sum(), False, case.forward_only)
+        data = StepData(inputs, labels, lambda out: out.sum(), False)
+        executor = Executor(sched, rank, ModuleHandlers(chunks, data, sched.stages - 1), p2p,
+                            defer_weight_grads=case.wgrad_split, use_overlap_hook=case.overlap_hook)
         with torch.set_grad_enabled(not case.forward_only):
-            executor.run(plan, data)
+            executor.run(plan, case.forward_only)
         assert p2p.log is not None
         programs[rank] = p2p.log.events
     return programs

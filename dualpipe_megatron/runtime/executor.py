@@ -1,7 +1,8 @@
 """Runs one rank's op list: forward, backward, deferred weight grads and F&B pairs.
 
-The executor has no schedule logic. It walks the :class:`MessagePlan` (the
-rank's ops, what each op receives first and sends after), computes, and keeps
+The executor has no schedule logic and computes nothing itself. It walks the
+:class:`MessagePlan` (the rank's ops, what each op receives first and sends
+after), calls its :class:`~.handlers.StageHandlers` with each op, and keeps
 per-(d,s,m) state between the F and the B/W that the IR pairs by key. An
 optional :class:`OpObserver` hears about each executed op with its host-clock
 times; without one the loop reads no clock (the p2p layer still sums receive
@@ -10,44 +11,20 @@ waits, two clock reads per message).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
-from torch import nn
 
 from ..schedules.ir import B, F, Key, Schedule, W
+from .handlers import StageHandlers
 from .p2p import P2P
 from .plan import ACT, GRAD, Message, MessagePlan
 from .profiling import op_range
-from .wgrad import DeferredWeightGrads, deferring, run_backward
+from .wgrad import DeferredWeightGrads, deferring
 
 Half = F | B | W
-
-
-@dataclass
-class StepData:
-    """One step's data on one rank, split into micro-batches.
-
-    ``inputs[d][m]`` feeds micro-batch ``m`` of direction ``d`` where this rank
-    holds its first stage; ``labels[d][m]`` goes to the criterion where it holds
-    its last stage.
-    """
-
-    inputs: dict[int, list[tuple[Any, ...]]]
-    labels: dict[int, list[tuple[Any, ...]]]
-    criterion: Callable[..., torch.Tensor] | None
-    return_outputs: bool
-    forward_only: bool
-
-
-@dataclass
-class StepResult:
-    """Per direction ending on this rank: micro-batch losses and (if asked) outputs."""
-
-    losses: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    outputs: dict[int, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,7 +35,7 @@ class StepStats:
     of its F until its weight grad is done (the simulator's definition).
     ``freed``: sent activations whose storage was released. ``deferred``:
     weight-grad closures run by W ops. ``overlapped``: FB ops run through the
-    chunks' ``overlapped_forward_backward`` hook (the others ran F then B).
+    handlers' :meth:`~.handlers.StageHandlers.pair` (the others ran F then B).
     """
 
     live: int = 0
@@ -83,40 +60,26 @@ class OpObserver(Protocol):
     def step_done(self) -> None: ...
 
 
-def as_list(outputs: Any) -> list[torch.Tensor]:
-    return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-
-
-def has_overlap_hook(module0: nn.Module, module1: nn.Module) -> bool:
-    """DeepSeek's rule: both chunks of one class that defines ``overlapped_forward_backward``."""
-    return type(module0) is type(module1) and hasattr(type(module0), "overlapped_forward_backward")
-
-
-def _key_kwarg(module: Any, name: str, key: Key) -> dict[str, Key]:
-    """Stages whose class sets ``takes_key`` get the op's key (e.g. to read that micro-batch's data)."""
-    return {name: key} if getattr(type(module), "takes_key", False) else {}
-
-
 def _describe(index: int, parts: Sequence[Half]) -> str:
     body = ", ".join(str(h) for h in parts)
     return f"op #{index} {body if len(parts) == 1 else f'FB[{body}]'} (micro-batch {parts[0].key.m})"
 
 
 class Executor:
-    """Executes the plan of one rank with its stage modules ``chunks[(d, s)]``.
+    """Executes the plan of one rank, computing through ``handlers``.
 
     Receives the next ``recv_lookahead`` ops need are posted before each op, as
     far as the plan's message order allows, so their transfers overlap compute;
-    each costs one p2p buffer held early. A chunk class that sets ``takes_key``
-    is called with the op's key (``key=``; ``key0=`` for the F half of the F&B
-    hook). The executor owns its weight-grad store (``wgrad_store``).
+    each costs one p2p buffer held early. FB ops that ``handlers.pairs`` accepts
+    run as one ``handlers.pair`` call unless ``use_overlap_hook`` is false. The
+    executor owns its weight-grad store (``wgrad_store``).
     """
 
     def __init__(
         self,
         sched: Schedule,
         rank: int,
-        chunks: dict[tuple[int, int], nn.Module],
+        handlers: StageHandlers,
         p2p: P2P,
         defer_weight_grads: bool = True,
         use_overlap_hook: bool = True,
@@ -125,7 +88,7 @@ class Executor:
     ) -> None:
         self.sched = sched
         self.rank = rank
-        self.chunks = chunks
+        self.handlers = handlers
         self.p2p = p2p
         self.defer = defer_weight_grads
         self.use_overlap_hook = use_overlap_hook
@@ -135,11 +98,11 @@ class Executor:
         self.wgrad_store = DeferredWeightGrads()
 
     # -- the loop --------------------------------------------------------------
-    def run(self, plan: MessagePlan, data: StepData) -> StepResult:
-        self._start(data)
+    def run(self, plan: MessagePlan, forward_only: bool) -> None:
+        self._start(forward_only)
         observer = self.observer
         if observer is not None:
-            observer.step_begun(self.sched, data.forward_only)
+            observer.step_begun(self.sched, forward_only)
         try:
             self.p2p.begin(plan)
             for n, (index, parts) in enumerate(plan.ops):
@@ -160,22 +123,20 @@ class Executor:
             observer.step_done()
         self.stats.freed = self.p2p.freed
         self._check_drained()
-        return self._result
 
     def _run_op(self, plan: MessagePlan, n: int, index: int, parts: tuple[Half, ...]) -> None:
         where = _describe(index, parts)
         with op_range(parts), self.wgrad_store.activated():
-            if len(parts) == 2 and self._hooked(parts[0], parts[1]):
-                self._overlapped(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
+            if len(parts) == 2 and self._paired(parts[0], parts[1]):
+                self._pair(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
             else:
                 for half, needs, sends in zip(parts, plan.recvs[n], plan.sends[n]):
                     self._receive(needs, where)
                     self._send(sends, *self._run_half(half), where)
 
-    def _start(self, data: StepData) -> None:
+    def _start(self, forward_only: bool) -> None:
         self.wgrad_store.clear()
-        self.data = data
-        self.training = not data.forward_only
+        self.training = not forward_only
         self.stats = StepStats()
         self._live: set[Key] = set()
         self._arrived: dict[Message, list[torch.Tensor]] = {}
@@ -184,7 +145,6 @@ class Executor:
         self._handoff: dict[Key, list[torch.Tensor]] = {}
         self._local_grads: dict[Key, list[torch.Tensor | None]] = {}
         self._loss_graph: dict[Key, torch.Tensor] = {}
-        self._result = StepResult()
 
     def _check_drained(self) -> None:
         leftovers = {
@@ -197,12 +157,8 @@ class Executor:
             raise RuntimeError(f"pipeline rank {self.rank}: step ended with state left over: {left}")
 
     # -- helpers -----------------------------------------------------------------
-    def _hooked(self, f: Half, b: Half) -> bool:
-        return (
-            self.use_overlap_hook
-            and isinstance(f, F) and isinstance(b, B)
-            and has_overlap_hook(self.chunks[(f.key.d, f.key.s)], self.chunks[(b.key.d, b.key.s)])
-        )
+    def _paired(self, f: Half, b: Half) -> bool:
+        return self.use_overlap_hook and isinstance(f, F) and isinstance(b, B) and self.handlers.pairs(f, b)
 
     def _is_last(self, key: Key) -> bool:
         return key.s == self.sched.stages - 1
@@ -227,46 +183,38 @@ class Executor:
     def _run_half(self, half: Half) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
         """Run one F/B/W; return what it sends (if anything) and which of that to free once sent."""
         if isinstance(half, F):
-            module, inputs, criterion, labels = self._forward_begin(half.key)
-            outputs = as_list(module(*inputs, **_key_kwarg(module, "key", half.key)))
-            loss = criterion(*outputs, *labels) if criterion is not None else None
-            return self._forward_end(half.key, inputs, outputs, loss)
+            inputs = self._forward_begin(half.key)
+            return self._forward_end(half.key, inputs, *self.handlers.forward(half.key, inputs))
         if isinstance(half, B):
-            _, loss, outputs, grads = self._backward_begin(half.key)
+            inputs, loss, outputs, grads = self._backward_begin(half.key)
             with deferring(half.key, enabled=self.defer and not half.w):
-                if loss is not None:
-                    run_backward([loss], [torch.ones_like(loss)])
-                elif outputs:
-                    run_backward(outputs, grads)
+                self.handlers.backward(half, inputs, loss, outputs, grads)
             return self._backward_end(half)
         if self.defer:
-            self.stats.deferred += self.wgrad_store.pop(half.key)
+            self.stats.deferred += self.handlers.weight(half, self.wgrad_store)
         self._live.discard(half.key)
         self.stats.live = len(self._live)
         return None, []
 
-    def _overlapped(
+    def _pair(
         self, f: F, b: B, recvs: list[list[tuple[Message, int]]],
         sends: list[list[tuple[Message, int]]], where: str,
     ) -> None:
-        """An F&B pair through the chunk class's ``overlapped_forward_backward`` hook."""
+        """An F&B pair as one ``handlers.pair`` call."""
         for needs in recvs:
             self._receive(needs, where)
         self.stats.overlapped += 1
-        module0, inputs0, criterion0, labels0 = self._forward_begin(f.key)
-        module1, loss1, outputs1, grads1 = self._backward_begin(b.key)
+        inputs0 = self._forward_begin(f.key)
+        inputs1, loss1, outputs1, grads1 = self._backward_begin(b.key)
         with deferring(b.key, enabled=self.defer and not b.w):
-            outputs0, loss0 = type(module0).overlapped_forward_backward(
-                module0, inputs0, criterion0, list(labels0), module1, loss1, outputs1, grads1,
-                **_key_kwarg(module0, "key0", f.key),
-            )
-        self._send(sends[0], *self._forward_end(f.key, inputs0, as_list(outputs0), loss0), where)
+            outputs0, loss0 = self.handlers.pair(f, inputs0, b, inputs1, loss1, outputs1, grads1)
+        self._send(sends[0], *self._forward_end(f.key, inputs0, outputs0, loss0), where)
         self._send(sends[1], *self._backward_end(b), where)
 
     # -- forward -------------------------------------------------------------------
-    def _forward_begin(self, key: Key) -> tuple[nn.Module, list[Any], Callable | None, tuple]:
+    def _forward_begin(self, key: Key) -> list[Any]:
         if key.s == 0:
-            inputs = list(self.data.inputs[key.d][key.m])
+            inputs = self.handlers.first_inputs(key)
         else:
             prev = Key(key.d, key.s - 1, key.m)
             if self._prev_is_local(key):
@@ -278,10 +226,7 @@ class Executor:
         self._live.add(key)
         self.stats.live = len(self._live)
         self.stats.peak = max(self.stats.peak, self.stats.live)
-        last = self._is_last(key)
-        criterion = self.data.criterion if last else None
-        labels = self.data.labels[key.d][key.m] if last and criterion is not None else ()
-        return self.chunks[(key.d, key.s)], inputs, criterion, labels
+        return inputs
 
     def _forward_end(
         self, key: Key, inputs: list[Any], outputs: list[torch.Tensor], loss: torch.Tensor | None,
@@ -292,12 +237,8 @@ class Executor:
             self._live.discard(key)
             self.stats.live = len(self._live)
         if self._is_last(key):
-            if loss is not None:
-                self._result.losses.setdefault(key.d, {})[key.m] = loss.detach()
-                if self.training:
-                    self._loss_graph[key] = loss
-            if self.data.return_outputs:
-                self._result.outputs.setdefault(key.d, {})[key.m] = [o.detach() for o in outputs]
+            if loss is not None and self.training:
+                self._loss_graph[key] = loss
             return None, []
         if self.training:
             self._outputs[key] = outputs
@@ -312,10 +253,10 @@ class Executor:
     # -- backward -------------------------------------------------------------------
     def _backward_begin(
         self, key: Key,
-    ) -> tuple[nn.Module, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
-        module = self.chunks[(key.d, key.s)]
+    ) -> tuple[list[Any], torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+        inputs = self._inputs[key]
         if self._is_last(key):
-            return module, self._loss_graph.pop(key), [], []
+            return inputs, self._loss_graph.pop(key), [], []
         outputs = self._outputs.pop(key)
         nxt = Key(key.d, key.s + 1, key.m)
         if self._next_is_local(key):
@@ -323,7 +264,7 @@ class Executor:
         else:
             grads = self._arrived.pop(Message(GRAD, nxt))
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
-        return module, None, [o for o, _ in pairs], [g for _, g in pairs]
+        return inputs, None, [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward_end(self, half: B) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
         key = half.key
@@ -341,4 +282,4 @@ class Executor:
         return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, inputs)], []
 
 
-__all__ = ["OpObserver", "StepStats", "Executor", "StepData", "StepResult", "as_list", "has_overlap_hook"]
+__all__ = ["Executor", "OpObserver", "StepStats"]

@@ -18,7 +18,8 @@ from torch import nn
 from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule
 from ..schedules.validate import validate
-from .executor import Executor, OpObserver, StepData, StepStats
+from .executor import Executor, OpObserver, StepStats
+from .handlers import ModuleHandlers, StepData
 from .p2p import DistTransport, P2P, Shape
 from .agreement import check_plan_agreement
 from .plan import MessagePlan
@@ -196,7 +197,7 @@ class Pipeline(nn.Module):
         criterion: Callable | None, return_outputs: bool, forward_only: bool,
     ) -> StepData:
         count = sched.microbatches_per_direction
-        data = StepData({}, {}, criterion, return_outputs, forward_only)
+        data = StepData({}, {}, criterion, return_outputs)
         for d in range(sched.directions):
             if sched.rank_of(d, 0) == self.rank:
                 if not any(t is not None for t in inputs):
@@ -239,19 +240,20 @@ class Pipeline(nn.Module):
         if (num_microbatches, forward_only) not in self._agreed:  # after the local checks: bad calls stay local
             check_plan_agreement(sched, forward_only, self.group, self.device)
             self._agreed.add((num_microbatches, forward_only))
-        chunks = dict(zip(sched.stages_on(self.rank), self.module))
+        handlers = ModuleHandlers(dict(zip(sched.stages_on(self.rank), self.module)), data, sched.stages - 1)
         p2p = P2P(
             DistTransport(self.group, self._group_rank_of), self.rank, self.device, self._shapes,
             self.p2p_dtype, self.timeout, self.debug,
         )
         executor = Executor(
-            sched, self.rank, chunks, p2p, self.defer_weight_grads, self.use_overlap_hook, self.recv_lookahead,
+            sched, self.rank, handlers, p2p, self.defer_weight_grads, self.use_overlap_hook, self.recv_lookahead,
             self.observer,
         )
         try:
-            result = executor.run(plan, data)
+            executor.run(plan, forward_only)
         finally:
             self.stats = executor.stats
+        result = handlers.result
         ends = [d for d in range(sched.directions) if sched.rank_of(d, sched.stages - 1) == self.rank]
         if not ends:
             return None, None
