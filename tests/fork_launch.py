@@ -4,11 +4,11 @@ Importing torch and Megatron takes ~9 s of CPU per process, most of a small test
 job's start-up (a 4-rank job spends ~20 s of its ~30 s there on 2 cores). This
 launcher imports ``scripts/pretrain_gpt.py`` and installs its hooks (as the script
 does when run directly), then forks one child per rank with torchrun's
-environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``)
-and runs the script's ``main`` there. Nothing distributed, and no thread pool
-(``OMP_NUM_THREADS=1``), exists before the fork. The first rank to fail takes the
-others down, and every child dies with the launcher (a test timeout kills it). Each rank leads
-a process group, stopped at the end so that no helper process it started outlives the job.
+environment (``launcher.rank_env``) and runs the script's ``main`` there. Nothing
+distributed, and no thread pool (``OMP_NUM_THREADS=1``), exists before the fork. The first
+rank to fail takes the others down, and every child dies with the launcher (a test timeout
+kills it). Each rank leads a process group, stopped at the end so that no helper process it
+started outlives the job.
 
 Megatron's ``torch_dist`` checkpoint save hands each rank's write results through a queue held
 by a ``multiprocessing`` manager, which it starts with ``spawn`` on a rank's first save; that
@@ -17,7 +17,7 @@ save on 2 cores. The launcher starts one manager by forking itself (torch alread
 no threads yet) and gives each rank its own queue there, so a save costs what it costs.
 
     python tests/fork_launch.py NPROC PORT [pretrain_gpt.py arguments ...]
-    python tests/fork_launch.py --serve    # what pretrain_runs.py uses: one import for all jobs
+    python tests/fork_launch.py --serve    # what launcher.fork_pretrain uses: one import for all jobs
 
 As a server it imports once for the whole test session and forks a launcher per job (asked
 for on stdin), which installs the hooks in the job's environment and forks the ranks as above.
@@ -25,24 +25,16 @@ for on stdin), which installs the hooks in the job's environment and forks the r
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import multiprocessing
 import os
-import signal
 import sys
 import traceback
 from collections.abc import Callable
 from multiprocessing.managers import SyncManager
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+from launcher import REPO, die_with_parent, rank_env, stop_group
 
 
 def _fork(child: Callable[[], int]) -> int:
@@ -59,17 +51,15 @@ def _fork(child: Callable[[], int]) -> int:
 def _checkpoint_write_queues(nproc: int) -> tuple[SyncManager, list]:
     """One queue per rank for Megatron's checkpoint writer, in a manager forked from here."""
     manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-    manager.start(initializer=_die_with_parent)
+    manager.start(initializer=die_with_parent)
     return manager, [manager.Queue() for _ in range(nproc)]
 
 
 def _rank(rank: int, nproc: int, port: str, argv: list[str], write_queue: object) -> int:
     """Run in a forked child: become rank ``rank`` of ``nproc`` and train."""
-    _die_with_parent()
+    die_with_parent()
     os.setpgid(0, 0)  # the rank and the helper processes it starts: one group to stop together
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=port)
+    os.environ.update(rank_env(rank, nproc, port))
     sys.argv = argv
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -120,17 +110,17 @@ def launch(nproc: int, port: str, args: list[str]) -> int:
         if code != 0 and not failed:
             failed = code if code > 0 else 128 - code
             for other in children:  # a failed rank leaves its peers waiting in a collective
-                _stop_group(other)
+                stop_group(other)
     # A rank's os._exit can leave helper processes behind: stop whatever each rank's group still holds.
     for group in groups:
-        _stop_group(group)
+        stop_group(group)
     manager.shutdown()
     return failed
 
 
 def _job(request: dict) -> int:
     """In a child of the server: one job with the request's log, environment and working directory."""
-    _die_with_parent()
+    die_with_parent()
     os.setpgid(0, 0)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -157,7 +147,7 @@ def serve() -> int:
 
     Answers each with ``{"pid": ...}`` when the job starts (its launcher process, which the
     client may kill) and ``{"code": ...}`` when it ends. Exits when stdin closes."""
-    _die_with_parent()
+    die_with_parent()
     _import_once()
     for line in sys.stdin:
         pid = _fork(functools.partial(_job, json.loads(line)))
@@ -173,13 +163,6 @@ def main() -> int:
     nproc, port, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     _import_once()
     return launch(nproc, port, args)
-
-
-def _stop_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 if __name__ == "__main__":

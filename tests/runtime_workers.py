@@ -1,6 +1,6 @@
 """Rank processes for tests/test_runtime.py: the pipeline runtime on CPU/gloo.
 
-:func:`launch` spawns ``world`` processes, each running one worker function
+``launcher.spawn`` runs one of these worker functions on ``world`` processes,
 over a whole list of cases (process start dominates the cost, so one launch
 runs many checks), and returns every rank's result. Workers never import
 Megatron. Comparisons with the single-process reference happen in the test
@@ -10,96 +10,18 @@ process; workers only report losses, outputs, gradients and counters.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
-import tempfile
 import time
-import traceback
-from datetime import timedelta
-from typing import Any, Callable, Collection
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as TF
 from torch import nn
 
 HIDDEN = 8
 MICRO_ROWS = 2
 SEED = 1234
-
-# -- launching ------------------------------------------------------------------------------
-
-
-def _leave_together(rank: int, world: int) -> None:
-    """Rank 0 hosts the TCP store: it waits (bounded) until every peer is done with it before
-    exiting, since a peer may still be reading the strict NCCL check's last call logs (CI once
-    saw 'Connection reset by peer' there). Peers only announce themselves and go."""
-    if not dist.is_initialized():
-        return
-    store = dist.distributed_c10d._get_default_store()
-    try:
-        store.set(f"runtime_workers/leaving/{rank}", "1")
-        if rank == 0:
-            store.wait([f"runtime_workers/leaving/{r}" for r in range(1, world)], timedelta(seconds=20))
-    except RuntimeError:  # a peer died or the store is gone: nothing left to protect
-        pass
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
-        result: Any = ("ok", fn(rank, world, *args))
-    except BaseException:  # noqa: BLE001 - everything goes back to the test
-        result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    _leave_together(rank, world)
-    # Skip interpreter teardown: a rank that gave up on a peer may still have receives posted.
-    os._exit(0)
-
-
-def launch(
-    world: int, fn: Callable, *args: Any, timeout: float = 150.0, may_vanish: Collection[int] = ()
-) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
-
-    A rank in ``may_vanish`` (one that kills itself) may report nothing: its result is ``None``.
-    """
-    from launcher import free_port  # here, not at the top: the ranks need not import pytest
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                if r in may_vanish:
-                    results.append(None)
-                    continue
-                raise RuntimeError(f"rank {r} reported nothing (hung ranks: {hung})")
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
-            results.append(value)
-        return results
-
 
 # -- the model ------------------------------------------------------------------------------------
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import pytest
 
-from pretrain_runs import REPO, RunFailed, grad_norms, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import REPO, grad_norms, losses, run
 
 FLAGS_FILE = REPO / "scripts" / "deepseek_v3_proxy.flags"
 SCRIPT = REPO / "scripts" / "pretrain_deepseek_v3_proxy.sh"
@@ -85,7 +86,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                                  "bias_checks": [int(n) for n in BIAS_CHECKED.findall(log)],
                                  "overlap": OVERLAP.search(log), "moves": MOVED.findall(log),
                                  "hierarchical": HIERARCHICAL in log}
-        except RunFailed as exc:
+        except LaunchFailed as exc:
             pytest.fail(str(exc), pytrace=False)
     return got
 

@@ -44,7 +44,8 @@ from typing import Any
 import pytest
 import torch
 
-from pretrain_runs import TRAIN, RunFailed, grad_norms, logged, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import TRAIN, grad_norms, logged, losses, run
 
 from test_eplb_nodes import node_form, planner_form
 
@@ -126,7 +127,7 @@ def _run_jobs(out: Path) -> dict[str, Any]:
                          "checked": [(int(n), int(i)) for n, i in CHECKED.findall(log)],
                          "replica_tokens": [int(t) for t in REPLICA_TOKENS.findall(log)],
                          "plans": _plans(log)}
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
 

@@ -12,7 +12,7 @@ import pytest
 
 from dualpipe_megatron.megatron.cpu_compat import GROUPS
 
-from launcher import assert_verdict, launch
+from launcher import assert_verdict, run_script
 
 WORKER = Path(__file__).with_name("megatron_workers.py")
 WORLD_SIZE = 2
@@ -21,7 +21,7 @@ TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
-    return launch(WORKER, WORLD_SIZE, tmp_path_factory.mktemp("megatron_cpu"), TIMEOUT_S)
+    return run_script(WORKER, WORLD_SIZE, tmp_path_factory.mktemp("megatron_cpu"), TIMEOUT_S)
 
 
 def test_all_groups_installed_in_workers(results: dict[str, dict[str, object]]) -> None:

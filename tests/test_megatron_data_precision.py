@@ -25,7 +25,8 @@ import numpy
 import pytest
 import torch
 
-from pretrain_runs import TRAIN, RunFailed, eval_losses, init_checkpoint, logged, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import TRAIN, eval_losses, init_checkpoint, logged, losses, run
 
 SCHEDULES = ("1f1b", "dualpipev", "dualpipe")
 VOCAB = 64  # pretrain_runs.MODEL's --vocab-size
@@ -75,7 +76,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                              "scale": logged(log, "loss scale"), "skipped": logged(log, SKIPPED),
                              "blend": bool(BLEND_BUILT.search(log)),
                              "read": sorted(set(re.findall(r"_IndexReader from (\S+)\.idx", log)))}
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     got["prefixes"] = {"a": str(corpus_a), "b": str(corpus_b)}
     return got

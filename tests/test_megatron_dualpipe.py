@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import assert_verdict, launch
+from launcher import assert_verdict, run_script
 from megatron_dualpipe_workers import M_FACTORS
 
 WORKER = Path(__file__).with_name("megatron_dualpipe_workers.py")
@@ -21,7 +21,7 @@ TIMEOUT_S = 900
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
     pp = request.param
-    return pp, launch(WORKER, pp, tmp_path_factory.mktemp(f"dualpipe_p{pp}"), TIMEOUT_S)
+    return pp, run_script(WORKER, pp, tmp_path_factory.mktemp(f"dualpipe_p{pp}"), TIMEOUT_S)
 
 
 def _check(results: tuple[int, dict], name: str) -> None:

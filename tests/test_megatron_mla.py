@@ -36,7 +36,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain_runs import CPU, MODEL, REPO, TRAIN, RunFailed, grad_norms, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import CPU, MODEL, REPO, TRAIN, grad_norms, losses, run
 
 MLA = ("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
        "--qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm").split()
@@ -269,7 +270,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             got[schedule] = {"loss": losses(log), "grad_norm": grad_norms(log)}
         log = run("tp2", out, 2, [*start, "--tensor-model-parallel-size", "2"])
         got["tp2"] = {"loss": losses(log), "grad_norm": grad_norms(log)}
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import assert_verdict, launch
+from launcher import assert_verdict, run_script
 
 WORKER = Path(__file__).with_name("moe_overlap_workers.py")
 TIMEOUT_S = 900
@@ -22,7 +22,7 @@ TIMEOUT_S = 900
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return launch(WORKER, 4, tmp_path_factory.mktemp("moe_overlap"), TIMEOUT_S)
+    return run_script(WORKER, 4, tmp_path_factory.mktemp("moe_overlap"), TIMEOUT_S)
 
 
 @pytest.mark.parametrize("m", [4, 6])

@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-from pretrain_runs import TRAIN, RunFailed, grad_norms, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import TRAIN, grad_norms, losses, run
 
 MOE = ("--num-experts 4 --moe-layer-freq ([0]*1+[1]*7) --moe-router-topk 2 "
        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2 --disable-bias-linear "
@@ -92,7 +93,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                          "aux": {int(i): float(v) for i, v in AUX.findall(log)},
                          "mtp": {int(i): float(v) for i, v in MTP.findall(log)},
                          "announced": _announcement(log), "log": log, "out": out}
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
 

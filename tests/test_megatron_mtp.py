@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_runs import TRAIN, RunFailed, grad_norms, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import TRAIN, grad_norms, losses, run
 
 # DeepSeek-V3 unties them; Megatron 0.19 cannot checkpoint a tied output layer next to MTP at PP > 1.
 ROPE = ["--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"]
@@ -86,7 +87,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                                       ("1f1b_to_v", "1f1b_n1_p2", "dualpipev")):
             got[name] = _record(run(name, out, pp, [*resume, "--load", str(out / saved),
                                                     "--pipeline-schedule", schedule]))
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
 

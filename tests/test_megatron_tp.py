@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from pretrain_runs import TRAIN, RunFailed, grad_norms, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import TRAIN, grad_norms, losses, run
 
 TP2 = ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"]
 SP = ["--sequence-parallel"]
@@ -61,7 +62,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                     "overlap": [m.group(0) for m in OVERLAP.finditer(log)],
                     "sp_deferral": SP_DEFERRAL in log,
                 }
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
 

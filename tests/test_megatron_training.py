@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_runs import REPO, TRAIN, RunFailed, eval_losses, grad_norms, init_checkpoint, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import REPO, TRAIN, eval_losses, grad_norms, init_checkpoint, losses, run
 
 ITERS = ["--train-iters", "7"]
 RTOL = 1e-5
@@ -58,7 +59,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                                   ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),):
             log = run(name, out, 4, [*resume, "--load", str(out / ckpt), "--ckpt-step", "4", *args])
             got[name], got[f"{name}_grad_norm"] = losses(log), grad_norms(log)
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     return got
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 import nccl_workers
-import runtime_workers as rw
+from launcher import spawn
 from dualpipe_megatron.runtime import dry_run
 from dualpipe_megatron.runtime.comm_log import RECV, SEND
 from dualpipe_megatron.runtime.dry_run import Case, check_case, record, sweep_cases
@@ -123,7 +123,7 @@ def test_cli_controls_sweep_and_check(tmp_path) -> None:
 
 def test_strict_mode_fails_a_real_step_that_gloo_completes() -> None:
     """Strict mode is not vacuous: an unsafe order runs fine on gloo, and every rank's step fails."""
-    results = rw.launch(2, nccl_workers.unsafe_order_step, timeout=120)
+    results = spawn(2, nccl_workers.unsafe_order_step, timeout=120)
     for rank, got in enumerate(results):
         assert got["error"] == "NcclDeadlockError", f"rank {rank}: {got}"
         assert "DEADLOCK" in got["message"] and "cycle" in got["message"], got["message"]

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 import profiler_workers as pw
-import runtime_workers as rw
 from dualpipe_megatron.runtime.plan import executed_halves
 from dualpipe_megatron.runtime.profiling import NAME, PREFIX, op_range, range_name
 from dualpipe_megatron.schedules import B, F, FB, Key, Schedule, W, build_schedule
 from dualpipe_megatron.schedules.ir import halves
 from dualpipe_megatron.trace.profile import read_profiles
-from pretrain_runs import TRAIN, RunFailed, losses, run
+from launcher import LaunchFailed, spawn
+from pretrain_runs import TRAIN, losses, run
 
 WORLD = 2
 CASES = [
@@ -61,7 +61,7 @@ def test_no_range_without_profiler() -> None:
 
 @functools.cache
 def launched() -> list[dict[str, Any]]:
-    return rw.launch(WORLD, pw.profiled_steps, CASES)
+    return spawn(WORLD, pw.profiled_steps, CASES)
 
 
 def per_rank(case: dict[str, Any]) -> list[tuple[int, dict[str, Any], list[str]]]:
@@ -109,7 +109,7 @@ def test_megatron_profiler_trace(tmp_path: Path) -> None:
             *TRAIN, "--pipeline-model-parallel-size", str(WORLD), "--pipeline-schedule", "dualpipev",
             "--train-iters", "3", "--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
             "--profile-step-end", "3", "--tensorboard-dir", str(tensorboard)])
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     assert sorted(losses(log)) == [1, 2, 3]
     sched = build_schedule("dualpipev", WORLD, 16)  # global batch 16, micro-batch 1, DP 1

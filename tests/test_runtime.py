@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import runtime_workers as rw
-from launcher import assert_verdict
+from launcher import assert_verdict, spawn
 from dualpipe_megatron.runtime.plan import ACT, MessagePlan
 from dualpipe_megatron.schedules import Costs, W, build_schedule, simulate
 
@@ -60,7 +60,7 @@ def cases(world: int) -> list[dict[str, Any]]:
 
 @functools.cache
 def launched(world: int) -> list[dict[str, Any]]:
-    return rw.launch(world, rw.run_cases, cases(world))
+    return spawn(world, rw.run_cases, cases(world))
 
 
 def pipeline_cases() -> list[Any]:
@@ -190,14 +190,14 @@ def _assert_peers_raised(results: list, failed: int, limit: float) -> list[str]:
 
 def test_failed_rank_makes_every_other_rank_raise() -> None:
     timeout = 3.0
-    results = rw.launch(4, rw.failing_step, 1, timeout, timeout=timeout + 60)
+    results = spawn(4, rw.failing_step, 1, timeout, timeout=timeout + 60)
     assert results[1]["error"] == "RuntimeError" and "injected failure" in results[1]["message"]
     for message in _assert_peers_raised(results, 1, timeout + 30):
         assert "op #" in message and "micro-batch" in message, message
 
 
 def test_ranks_with_different_plans_refuse_to_step() -> None:
-    results = rw.launch(2, rw.disagreeing_plans, timeout=60)
+    results = spawn(2, rw.disagreeing_plans, timeout=60)
     for rank, result in enumerate(results):
         assert result["error"] is not None, f"rank {rank} stepped with a plan rank 1 does not share"
         assert "ranks [1] differ from rank 0" in result["error"], result
@@ -206,7 +206,7 @@ def test_ranks_with_different_plans_refuse_to_step() -> None:
 
 
 def test_debug_check_catches_mismatched_messages() -> None:
-    results = rw.launch(2, rw.mismatched_plans, timeout=60)
+    results = spawn(2, rw.mismatched_plans, timeout=60)
     assert "message mismatch from rank 0" in results[1]["error"], results[1]
     assert "expected activation of F(d=0,s=0,m=0)" in results[1]["error"]
     assert results[0]["error"] is not None
@@ -215,6 +215,6 @@ def test_debug_check_catches_mismatched_messages() -> None:
 def test_killed_rank_makes_every_other_rank_raise() -> None:
     """A rank SIGKILLed mid-step (no exception, no goodbye): every peer raises, naming a peer."""
     timeout = 4.0
-    results = rw.launch(4, rw.failing_step, 1, timeout, rw.KillingBlock, timeout=timeout + 50, may_vanish={1})
+    results = spawn(4, rw.failing_step, 1, timeout, rw.KillingBlock, timeout=timeout + 50, may_vanish={1})
     assert results[1] is None, f"the killed rank reported {results[1]}"
     _assert_peers_raised(results, 1, timeout + 20)

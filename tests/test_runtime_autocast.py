@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import autocast_workers as aw
-import runtime_workers as rw
+from launcher import spawn
 from dualpipe_megatron.runtime.wgrad import DeferredWeightGrads, deferring, make_linears_deferrable
 
 
@@ -82,7 +82,7 @@ def test_deferrable_linear_is_bitwise_nn_linear_under_autocast(
 @functools.cache
 def compat_launched() -> list[dict[str, Any]]:
     """DualPipeV through the compat API under bf16 autocast, launched once for the three checks below."""
-    return rw.launch(2, aw.dualpipev_autocast)
+    return spawn(2, aw.dualpipev_autocast)
 
 
 def test_dualpipev_compat_under_bf16_autocast_loss_matches_one_process() -> None:

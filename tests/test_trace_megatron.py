@@ -8,7 +8,8 @@ import pytest
 
 from dualpipe_megatron.trace import analyze, load
 from dualpipe_megatron.trace.cli import main
-from pretrain_runs import TRAIN, RunFailed, losses, run
+from launcher import LaunchFailed
+from pretrain_runs import TRAIN, losses, run
 
 
 def test_pretrain_writes_traces(tmp_path: Path) -> None:
@@ -17,7 +18,7 @@ def test_pretrain_writes_traces(tmp_path: Path) -> None:
         log = run("traced", tmp_path, 2, [*TRAIN, "--pipeline-model-parallel-size", "2",
                                           "--pipeline-schedule", "dualpipev", "--train-iters", "3",
                                           "--dualpipe-trace", str(trace_dir)])
-    except RunFailed as exc:
+    except LaunchFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     assert sorted(losses(log)) == [1, 2, 3]
     traces = load(trace_dir)

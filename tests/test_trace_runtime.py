@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-import runtime_workers as rw
 import trace_workers
+from launcher import spawn
 from dualpipe_megatron.schedules import build_schedule
 from dualpipe_megatron.schedules.ir import F
 from dualpipe_megatron.trace import analyze, chrome_trace, load
@@ -22,7 +22,7 @@ WORLD, MICROBATCHES = 2, 4
 def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[Any]]:
     """Each rank's result and the traces the ranks wrote."""
     out = tmp_path_factory.mktemp("trace_runtime")
-    results = rw.launch(WORLD, trace_workers.traced_steps, str(out), MICROBATCHES, timeout=120)
+    results = spawn(WORLD, trace_workers.traced_steps, str(out), MICROBATCHES, timeout=120)
     return results, load(out)
 
 

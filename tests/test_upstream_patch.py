@@ -11,7 +11,6 @@ evaluation losses must match to the printed digit); and the patched copy with no
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -21,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from launcher import free_port
-from pretrain_runs import EVAL, LOSS, REPO, TORCHRUN
+from launcher import REPO, LaunchFailed, job_env, marked_json, torchrun
+from pretrain_runs import EVAL, LOSS
 from test_guard import documented_patches
 
 PATCH = REPO / "patches" / "megatron-core-0.19.2-schedule-extension-point.patch"
@@ -57,7 +56,7 @@ MODEL_PATCHES = {"stage predicates", "linear weight-grad deferral", "delayed-wgr
 
 # Evaluation at iteration 4, then on the validation and test sets after training.
 EVALUATIONS = ["4", "4 on test set", "4 on validation set"]
-REPORT_LINE = re.compile(r"UPSTREAM_REPORT (\{.*\})")
+REPORT = "UPSTREAM_REPORT"  # the mark of the JSON line upstream_driver.py prints
 
 
 def installed_megatron() -> Path:
@@ -104,24 +103,17 @@ def patched_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def train(out_dir: Path, mode: str, pythonpath: list[Path], flags: list[str]) -> dict[str, Any]:
     """One 2-rank torchrun of the driver: logged lm losses (training and evaluation), the
     ranks' reports and the log."""
-    log = out_dir / f"{mode}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)),
-           "OMP_NUM_THREADS": "1", "DUALPIPE_MOCK_DOCUMENTS": "64"}
-    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(DRIVER), mode, str(STOCK_SCRIPT), *flags]
+    path = os.pathsep.join(map(str, pythonpath))
+    env = job_env(PYTHONPATH=path, DUALPIPE_MOCK_DOCUMENTS="64")
     try:
-        with log.open("w") as out:
-            code = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=RUN_TIMEOUT_S).returncode
-    except subprocess.TimeoutExpired:
-        code = f"timeout after {RUN_TIMEOUT_S} s"
-    text = log.read_text(errors="replace")
-    if code != 0:
-        pytest.fail(f"training run {mode!r} (PYTHONPATH={env['PYTHONPATH']}) failed: {code}\n"
-                    f"{text[-8000:]}", pytrace=False)
+        text = torchrun(f"training run {mode!r} (PYTHONPATH={path})", 2,
+                        [str(DRIVER), mode, str(STOCK_SCRIPT), *flags], env, out_dir / f"{mode}.log",
+                        RUN_TIMEOUT_S)
+    except LaunchFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
     return {"losses": {int(i): loss for i, loss in LOSS.findall(text)},
             "eval_losses": dict(EVAL.findall(text)),
-            "reports": [json.loads(r) for r in REPORT_LINE.findall(text)],
+            "reports": marked_json(text, REPORT),
             "log": text}
 
 
