@@ -14,11 +14,11 @@ DeepSeek-V3-shaped layer (:mod:`.projection`).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron.core.transformer.enums import LayerType
 
-from .megatron.auto_layout import model_shape, padded_vocab
+from .megatron.auto_layout import model_shape
 from .megatron.topology import DualPipeLayout
 from .projection.placement import Realistic, weighted_peak
 from .projection.shapes import check_stage, dense_layers, stage_shape
@@ -42,6 +42,16 @@ class Params:
     @property
     def total(self) -> int:
         return self.replicated + self.tensor + self.expert
+
+
+def padded_vocab(args: argparse.Namespace) -> int | None:
+    """The vocabulary as Megatron pads it (a multiple of --make-vocab-size-divisible-by x TP)."""
+    if getattr(args, "padded_vocab_size", None):
+        return args.padded_vocab_size
+    if not args.vocab_size:
+        return None
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-args.vocab_size // multiple) * multiple
 
 
 def moe_pattern(args: argparse.Namespace) -> list[bool]:
@@ -164,8 +174,10 @@ def state_bytes(args: argparse.Namespace, params: Params) -> float:
 
 def projection_shapes(args: argparse.Namespace) -> tuple[ModelShape, ModelShape]:
     """The projection's whole model for these arguments (:func:`.megatron.auto_layout.model_shape`)
-    and its 1/P stage of MoE layers, as many as the model's MoE layers per pipeline rank."""
-    model = check_stage(model_shape(args))
+    and its 1/P stage of MoE layers, as many as the model's MoE layers per pipeline rank. The
+    output layer is as wide as Megatron will pad it (the layout search, run before the tokenizer,
+    takes ``--vocab-size`` as given)."""
+    model = check_stage(replace(model_shape(args), vocab=padded_vocab(args)))
     dense_layers(model)  # the projection's model: dense layers first, then MoE
     moe_layers = sum(model.moe_layers())
     return model, stage_shape(model, max(1, round(moe_layers / args.pipeline_model_parallel_size)))
@@ -196,4 +208,4 @@ def activation_peaks(placement: Realistic, sched: Schedule, saved_bytes_per_unit
 
 
 __all__ = ["GIB", "GivenLayout", "ParamCounter", "Params", "activation_peaks", "decoder_counts", "moe_pattern",
-           "projection_shapes", "rank_params", "stage_params", "state_bytes"]
+           "padded_vocab", "projection_shapes", "rank_params", "stage_params", "state_bytes"]

@@ -7,7 +7,7 @@ which the launch plan's projection uses too.
 Works on the arguments before and after Megatron's ``validate_args``: sizes that validation
 fills in (FFN width, per-head width, query groups, data-parallel size) fall back to Megatron's
 defaults here. The tokenizer is built after the layout must be fixed, so the vocabulary comes
-from ``--vocab-size``, padded as Megatron pads it (or an already known padded size).
+from ``--vocab-size`` (or an already known padded size).
 """
 
 from __future__ import annotations
@@ -27,16 +27,6 @@ def _ffn(args: argparse.Namespace) -> int:
     return 4 * args.hidden_size
 
 
-def padded_vocab(args: argparse.Namespace) -> int | None:
-    """The vocabulary as Megatron pads it (a multiple of --make-vocab-size-divisible-by x TP)."""
-    if getattr(args, "padded_vocab_size", None):
-        return args.padded_vocab_size
-    if not args.vocab_size:
-        return None
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return -(-args.vocab_size // multiple) * multiple
-
-
 def microbatches(args: argparse.Namespace) -> int:
     """Micro-batches per step: global / (micro x data parallel); 2P (the least our schedules
     run) when the global batch is not given."""
@@ -50,7 +40,7 @@ def microbatches(args: argparse.Namespace) -> int:
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
     """The model these arguments configure, with one expert-parallel rank's share of experts."""
-    vocab = padded_vocab(args)
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
     if not vocab:
         raise ScheduleError("the FLOP count (--dualpipe-layout auto, the launch plan) needs --vocab-size (the "
                             "output layer's cost; the tokenizer is built after the layout is fixed), or pass a layout")
@@ -79,4 +69,4 @@ def auto_layout(args: argparse.Namespace) -> str:
                        LayerCosts.from_shape(model_shape(args)))[0]
 
 
-__all__ = ["auto_layout", "microbatches", "model_shape", "padded_vocab"]
+__all__ = ["auto_layout", "microbatches", "model_shape"]
