@@ -9,7 +9,8 @@ from fractions import Fraction
 import pytest
 
 from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulate, validate
-from dualpipe_megatron.schedules.optimize import optimize_order
+from dualpipe_megatron.schedules.ir import ScheduleError
+from dualpipe_megatron.schedules.optimize import min_activations, optimize_order
 from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.simulate import StageCost, StageCosts
 
@@ -104,3 +105,53 @@ def test_uniform_costs_object() -> None:
     assert out.to_json() == optimize_order(sched, StageCosts.uniform(sched, plain)).to_json()
     assert simulate(out, plain).makespan == simulate(out, StageCosts.uniform(sched, plain)).makespan
     assert simulate(out, plain).makespan < simulate(sched, plain).makespan
+
+
+# -- the activation budget (issue 26) ----------------------------------------------------------
+
+
+def deepseek_peak(sched: Schedule) -> int:
+    return max(peak_live_activations(ops) for ops in sched.ops)
+
+
+@pytest.mark.parametrize("name,ranks,setting", [
+    ("dualpipev", 4, "a"), ("dualpipev", 4, "c"), ("dualpipe", 4, "a"), ("dualpipe", 4, "c"),
+    ("dualpipev", 8, "c"), ("dualpipe", 8, "a"),
+])
+def test_three_quarter_budget_holds_on_every_rank(name: str, ranks: int, setting: str) -> None:
+    """K = ceil(3/4 x DeepSeek's peak), M = 2P: valid, every rank <= K, and the step within
+    +20% of DeepSeek's order at full memory (the one-micro-batch-at-a-time order is 2-5x)."""
+    sched = build_schedule(name, ranks, 2 * ranks)
+    costs = stage_costs(sched, setting)
+    budget = -(-3 * deepseek_peak(sched) // 4)
+    out = optimize_order(sched, costs, max_activations=budget)
+    validate(out)
+    assert out.placement == sched.placement and out.name == f"{name}-optimized"
+    assert max(peak_live_activations(ops) for ops in out.ops) <= budget < deepseek_peak(sched)
+    assert simulate(out, costs).makespan <= Fraction(6, 5) * simulate(sched, costs).makespan
+
+
+@pytest.mark.parametrize("name,minimum", [("dualpipev", 2), ("dualpipe", 1)])
+def test_the_minimum_budget(name: str, minimum: int) -> None:
+    """The V holds two stages of a direction per rank, so two of one micro-batch are live at
+    once in any order; DualPipe's ranks hold one per direction. The minimum is met; below it raises."""
+    sched = build_schedule(name, 4, 8)
+    costs = stage_costs(sched, "a")
+    assert min_activations(sched) == minimum
+    out = optimize_order(sched, costs, max_activations=minimum)
+    validate(out)
+    assert max(peak_live_activations(ops) for ops in out.ops) == minimum
+    with pytest.raises(ScheduleError, match=f"below the minimum {minimum} that any order"):
+        optimize_order(sched, costs, max_activations=minimum - 1)
+
+
+@pytest.mark.parametrize("name,setting", [("dualpipev", "c"), ("dualpipe", "b")])
+def test_a_budget_above_the_peak_is_never_slower(name: str, setting: str) -> None:
+    sched = build_schedule(name, 4, 8)
+    costs = stage_costs(sched, setting)
+    free = simulate(optimize_order(sched, costs), costs).makespan
+    for budget in (deepseek_peak(sched), deepseek_peak(sched) + 2):
+        out = optimize_order(sched, costs, max_activations=budget)
+        assert simulate(out, costs).makespan <= free
+        assert max(peak_live_activations(ops) for ops in out.ops) <= budget
+

@@ -6,19 +6,25 @@ placement and micro-batches: it builds candidates with a memory-capped list sche
 (several priority rules), improves them and the input by a local search on the critical
 path (swap, split or pair F&B, defer or move weight grads), and returns the best one that
 the exact :func:`~.simulate.simulate` confirms to be no longer than the input, with no
-rank's peak live activations above that rank's peak in the input. The search times
-schedules with floats (much faster than exact fractions); only the final check is exact.
+rank's peak live activations above that rank's peak in the input. With an activation budget
+K (``max_activations``) every rank's cap is K instead, and the result is the fastest order
+found within it, slower than the input if the input does not fit; the list scheduler then
+also tries rules that never stall for memory (a micro-batch enters a rank only with room for
+all its stages there; DualPipe's directions each get a share of the cap), and the
+one-micro-batch-at-a-time order, which meets the minimum (:func:`min_activations`), seeds
+the search when the input does not fit. The search times schedules with floats (much faster
+than exact fractions); only the final check is exact.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
 
-from .events import KINDS, Encoder, TimedOp, Timing, live_change, peak, peak_live_activations, timing
-from .ir import B, F, FB, Key, Op, Schedule, W, halves
+from .events import KINDS, Encoder, TimedOp, Timing, kind, peak, peak_live_activations, timing
+from .ir import B, F, FB, Key, Op, Schedule, ScheduleError, W, halves
 from .simulate import AnyCosts, StageCosts, simulate
 
 INF = float("inf")
@@ -32,7 +38,7 @@ class _Model:
     encoded once (:class:`~.events.TimedOp`), its float duration at ``durations[op.cost]``."""
 
     def __init__(self, sched: Schedule, costs: AnyCosts) -> None:
-        self.ranks, self.stages = sched.ranks, sched.stages
+        self.ranks, self.stages, self.directions = sched.ranks, sched.stages, sched.directions
         self.per = sched.microbatches_per_direction
         self.rank = dict(sched.placement)
         self.stages_on = [sched.stages_on(r) for r in range(sched.ranks)]
@@ -100,12 +106,36 @@ class _Rule:
     fill: float = 0.0  # run a W only if the next known input is at least fill * W away
     by_level: bool = False  # rank F/B by the length of the work still behind them, not micro-batch
     b_first: bool = True  # with no pairing, a ready B goes before a ready F
+    reserve: bool = False  # a micro-batch enters a rank only with room for all its stages there
+    split: bool = False  # each direction gets its own share of a rank's cap (no cross-direction stall)
+
 
 
 _RULES = (
     _Rule(), _Rule(fill=1.0), _Rule(defer=False), _Rule(pair=False),
     _Rule(pair=False, by_level=True), _Rule(pair=False, by_level=True, b_first=False),
 )
+_BUDGET_RULES = tuple(_Rule(**{**vars(r), "reserve": True, "split": split})
+                      for split in (False, True) for r in _RULES)  # tried only under a budget
+
+
+def _shares(model: _Model, caps: list[int], depth: Counter) -> Optional[dict[tuple[int, int], int]]:
+    """Each (rank, direction)'s share of the rank's cap, in proportion to the micro-batches 1F1B
+    keeps in flight at its stages (stages behind them); None if a share would hold less than
+    one micro-batch's stages there."""
+    weight = Counter({(r, d): model.stages - s for (d, s), r in model.rank.items()})
+    out: dict[tuple[int, int], int] = {}
+    for r in range(model.ranks):
+        mine = sorted((key for key in weight if key[0] == r), key=lambda k: (-weight[k], k))
+        total = sum(weight[k] for k in mine)
+        for k in mine:
+            out[k] = max(depth[k], caps[r] * weight[k] // total)
+        spare = caps[r] - sum(out[k] for k in mine)
+        if spare < 0:
+            return None
+        if mine:
+            out[mine[0]] += spare
+    return out
 
 
 def _levels(model: _Model) -> dict[tuple[str, int, int], float]:
@@ -128,11 +158,26 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
     next_f = dict.fromkeys(rank, 0)
     next_b = dict.fromkeys(rank, 0)
     P = model.ranks
-    clock, wake, live = [0.0] * P, [0.0] * P, [0] * P
+    clock, wake = [0.0] * P, [0.0] * P
     pending: list[deque[Key]] = [deque() for _ in range(P)]
     left = [2 * per * len(model.stages_on[r]) for r in range(P)]
     out: list[list[Op]] = [[] for _ in range(P)]
     heap = [(0.0, r) for r in range(P)]
+    # held: live activations per (rank, direction), plus with reserve the slots that a
+    # micro-batch's first F on a rank claims for its other stages there
+    depth = Counter((r, d) for (d, _), r in rank.items())
+    first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
+    held: Counter = Counter()
+    share = _shares(model, caps, depth) if rule.split else None
+    if rule.split and share is None:
+        return None
+
+    def room(r: int, d: int, s: int) -> bool:
+        """May an F of stage (d, s) start on rank r under its cap?"""
+        need = (depth[(r, d)] if first[(d, s)] else 0) if rule.reserve else KINDS["F"].starts
+        if share is not None:
+            return held[(r, d)] + need <= share[(r, d)]
+        return sum(held[(r, y)] for y in range(model.directions)) + need <= caps[r]
 
     def lat(src: tuple[int, int], r: int) -> float:
         return c if rank[src] != r else 0.0
@@ -179,7 +224,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
                     continue
                 if at > now:
                     soonest = min(soonest, at)
-                elif into is fs and live[r] + KINDS["F"].starts > caps[r]:
+                elif into is fs and not room(r, d, s):
                     blocked = True
                 else:
                     into.append((at, (d, s), m))
@@ -205,11 +250,11 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
         clock[r] = wake[r] = end = max(clock[r], at) + model.duration(op)
         heapq.heappush(heap, (end, r))
         out[r].append(op)
-        starts, frees = live_change(op)
-        live[r] += starts - frees
         for h in halves(op):
             k, ds = h.key, (h.key.d, h.key.s)
+            held[(r, k.d)] -= kind(h).frees
             if isinstance(h, F):
+                held[(r, k.d)] += (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
                 next_f[ds] += 1
                 left[r] -= 1
                 f_end[(k.d, k.s, k.m)] = end
@@ -323,18 +368,41 @@ def _local_search(model: _Model, lists: Lists, caps: list[int], budget: int) -> 
 # -- entry point -------------------------------------------------------------------------------
 
 
-def optimize_order(sched: Schedule, costs: AnyCosts) -> Schedule:
-    """A reordering of ``sched`` (same placement and micro-batches) that is never slower under
-    ``costs`` and never raises any rank's peak live activations; deterministic."""
-    model = _Model(sched, costs)
-    base_lists = [[model.enc(op) for op in ops] for ops in sched.ops]
-    caps = [peak_live_activations(ops) for ops in sched.ops]
-    base = simulate(sched, costs)
+def min_activations(sched: Schedule) -> int:
+    """The smallest per-rank budget any valid order of ``sched``'s placement can meet.
 
-    candidates: list[tuple[tuple[float, float], int, Lists]] = []
-    seeds: list[Lists] = [base_lists]
+    A rank holding k stages of one direction has all k of one micro-batch live when the
+    deepest of them starts its F (the shallower ones' weight grads wait for its B), so no
+    order goes below the largest such k; the one-micro-batch-at-a-time order
+    (:func:`_sequential`) reaches it. DualPipeV's V gives 2, DualPipe and 1F1B 1.
+    """
+    per_rank: dict[tuple[int, int], int] = {}
+    for d, s in sched.placement:
+        at = (sched.placement[(d, s)], d)
+        per_rank[at] = per_rank.get(at, 0) + 1
+    return max(per_rank.values(), default=1)
+
+
+def _sequential(model: _Model) -> list[list[Op]]:
+    """One micro-batch through every stage and back before the next starts: the slowest
+    order, and the one that meets :func:`min_activations`."""
+    out: list[list[Op]] = [[] for _ in range(model.ranks)]
+    for m in range(model.per):
+        for d in range(model.directions):
+            for s in range(model.stages):
+                out[model.rank[(d, s)]].append(F(Key(d, s, m)))
+            for s in range(model.stages - 1, -1, -1):
+                out[model.rank[(d, s)]].append(B(Key(d, s, m)))
+    return out
+
+
+def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
+            rules: tuple[_Rule, ...] = _RULES) -> list[tuple[tuple[float, float], Lists]]:
+    """Local search (``budget`` evaluations each) from each seed and from the best order the
+    list scheduler builds under ``caps`` by any of ``rules``."""
+    seeds = list(seeds)
     built: list[tuple[tuple[float, float], Lists]] = []
-    for rule in _RULES:
+    for rule in rules:
         order = _list_schedule(model, caps, rule)
         if order is None:
             continue
@@ -344,27 +412,62 @@ def optimize_order(sched: Schedule, costs: AnyCosts) -> Schedule:
             built.append((_score(t), lists))
     if built:
         seeds.append(min(built, key=lambda x: x[0])[1])
-    n_ops = sum(map(len, base_lists))
-    budget = max(_MIN_EVALS, min(_MAX_EVALS, _SEARCH_WORK // max(1, n_ops)))
+    found = []
     for seed in seeds:
         lists, t = _local_search(model, [list(o) for o in seed], caps, budget)
-        candidates.append((_score(t), len(candidates), lists))
-    for score, _, lists in sorted(candidates, key=lambda x: (x[0], x[1])):
-        if score[0] >= float(base.makespan):
+        found.append((_score(t), lists))
+    return found
+
+
+def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[int] = None) -> Schedule:
+    """A reordering of ``sched`` (same placement and micro-batches); deterministic.
+
+    Without ``max_activations`` it is never slower under ``costs`` and never raises any rank's
+    peak live activations. With it, every rank's peak is at most ``max_activations`` (in
+    (d,s,m) units, :func:`~.events.peak_live_activations`), and the order is the fastest found
+    under that budget: never slower than the input (nor than no budget) when the input fits,
+    possibly slower when it does not. A budget below :func:`min_activations` raises.
+    """
+    if max_activations is not None and max_activations < min_activations(sched):
+        raise ScheduleError(
+            f"max activations {max_activations} is below the minimum {min_activations(sched)} that any "
+            f"order of {sched.name} at P={sched.ranks} needs (live (d,s,m) per rank)")
+    model = _Model(sched, costs)
+    base_lists = [[model.enc(op) for op in ops] for ops in sched.ops]
+    n_ops = sum(map(len, base_lists))
+    budget = max(_MIN_EVALS, min(_MAX_EVALS, _SEARCH_WORK // max(1, n_ops)))
+    own = [peak_live_activations(ops) for ops in sched.ops]
+    base = simulate(sched, costs)
+    fits = max_activations is None or max(own, default=0) <= max_activations
+    found = _search(model, own, [base_lists], budget) if fits else []
+    caps = own if max_activations is None else [max_activations] * sched.ranks
+    if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
+        seed = sched.ops if fits else _sequential(model)
+        rules = _RULES + tuple(r for r in _BUDGET_RULES if not r.split or sched.directions > 1)
+        found += _search(model, caps, [[[model.enc(op) for op in ops] for ops in seed]], budget, rules)
+    ranked = [(score, i, lists) for i, (score, lists) in enumerate(found)]
+    for score, _, lists in sorted(ranked, key=lambda x: (x[0], x[1])):
+        if fits and score[0] >= float(base.makespan):
             break
-        out = Schedule(f"{sched.name}-optimized", sched.ranks, sched.stages, sched.microbatches,
-                       sched.directions, [[o.op for o in ops] for ops in lists], dict(sched.placement))
-        if _no_worse(out, sched, costs, base.makespan):
+        out = _named(sched, [[o.op for o in ops] for ops in lists])
+        if _fits(out, costs, caps, base.makespan if fits else None):
             return out
+    if not fits:
+        raise ScheduleError(f"no order of {sched.name} at P={sched.ranks} found within "
+                            f"{max_activations} live activations per rank")
+    return _named(sched, [list(ops) for ops in sched.ops])
+
+
+def _named(sched: Schedule, ops: list[list[Op]]) -> Schedule:
     return Schedule(f"{sched.name}-optimized", sched.ranks, sched.stages, sched.microbatches,
-                    sched.directions, [list(ops) for ops in sched.ops], dict(sched.placement))
+                    sched.directions, ops, dict(sched.placement))
 
 
-def _no_worse(new: Schedule, old: Schedule, costs: AnyCosts, makespan) -> bool:
-    """The exact check: valid, no longer, and no rank holding more live activations."""
+def _fits(new: Schedule, costs: AnyCosts, caps: list[int], makespan) -> bool:
+    """The exact check: valid, no rank above its cap, and no longer than ``makespan`` (if given)."""
     result = simulate(new, costs)  # validates
-    return result.makespan <= makespan and all(
-        peak_live_activations(a) <= peak_live_activations(b) for a, b in zip(new.ops, old.ops))
+    return (makespan is None or result.makespan <= makespan) and all(
+        peak_live_activations(ops) <= cap for ops, cap in zip(new.ops, caps))
 
 
-__all__ = ["optimize_order"]
+__all__ = ["min_activations", "optimize_order"]
