@@ -58,7 +58,6 @@ from .stages import MegatronHandlers
 from .support import overlap_blockers
 
 _said: set[str] = set()  # messages printed once per process
-_layers: list[str] = []  # this rank's chunk layers (describe_layers), until announced
 _HOW = {True: "MoE (EP all-to-all overlapped)", False: "dense (compute only)"}
 
 
@@ -73,13 +72,17 @@ def overlap_enabled(enabled: bool, config: Any, chunks: Sequence[nn.Module], for
         if message not in _said:
             _said.add(message)
             warnings.warn(f"DualPipe MoE F&B overlap off, running F then B: {message}", stacklevel=3)
-    if not reasons and "overlap on" not in _said and _global_rank_0():
-        _layers[:] = [describe_layers(chunks)]
     return not reasons
 
 
 def _global_rank_0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def layers_to_announce(chunks: Sequence[nn.Module]) -> str:
+    """What :func:`announce_overlap` names after this step: :func:`describe_layers` where it will
+    speak (global rank 0, not said yet), else nothing."""
+    return describe_layers(chunks) if "overlap on" not in _said and _global_rank_0() else ""
 
 
 def describe_layers(chunks: Sequence[nn.Module]) -> str:
@@ -113,15 +116,15 @@ def describe_layers(chunks: Sequence[nn.Module]) -> str:
     return "; ".join(parts)
 
 
-def announce_overlap(overlapped: int, deferred: int, rank_ops: Sequence[Op]) -> None:
+def announce_overlap(overlapped: int, deferred: int, rank_ops: Sequence[Op], layers: str) -> None:
     """Say once per process, on global rank 0, how many of this rank's FB ops ran overlapped, how
     many weight-grad closures its W ops ran (the W split inside the plans), and what ran how in
-    each chunk (the counterpart of the warning above, so a log shows which way a run went)."""
+    each chunk (``layers``, from :func:`layers_to_announce`; the counterpart of the warning above,
+    so a log shows which way a run went)."""
     if "overlap on" in _said or not _global_rank_0():
         return
     _said.add("overlap on")
     fb_ops = sum(isinstance(op, FB) for op in rank_ops)
-    layers = _layers.pop() if _layers else ""
     print(f"DualPipe MoE F&B overlap on: {overlapped} of {fb_ops} FB ops on this rank ran through "
           f"Megatron's combined_forward_backward_step, and its W ops ran {deferred} deferred weight-grad "
           f"closures" + (f"; {layers}" if layers else ""), flush=True)
@@ -190,4 +193,6 @@ class MoEOverlapHandlers(MegatronHandlers):
         return [], output
 
 
-__all__ = ["MoEOverlapHandlers", "announce_overlap", "describe_layers", "overlap_enabled"]
+__all__ = [
+    "MoEOverlapHandlers", "announce_overlap", "describe_layers", "layers_to_announce", "overlap_enabled",
+]

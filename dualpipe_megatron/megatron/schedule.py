@@ -37,9 +37,10 @@ from .grads import (
     mirrored_expert_bias_mismatches, sum_mirrored_expert_token_counts, sum_mirrored_grads, sum_tied_embedding_grads,
 )
 from .guard import check_private_symbols
-from .moe_overlap import MoEOverlapHandlers, announce_overlap, overlap_enabled
+from .moe_overlap import MoEOverlapHandlers, announce_overlap, layers_to_announce, overlap_enabled
 from .mtp import recording_mtp_metrics, replay_mtp_metrics
 from .predicates import stage_map_active
+from .relay import relay
 from .stages import MegatronHandlers, MegatronStep, MicrobatchData
 from .support import SCHEDULES, delayed_wgrad_problems, stage_map_for, step_problems
 from .topology import StageMap
@@ -55,6 +56,7 @@ class DualPipeState:
     plans: dict = field(default_factory=dict)  # (ranks, M, forward_only, rank) -> (schedule, plan)
     schedules: dict = field(default_factory=dict)  # (ranks, M) -> the schedule the steps run
     tracer: OpTracer | None = None  # created on the first step when tracing
+    report_layouts: dict = field(default_factory=dict)  # (direction, M, forward_only) -> layout sent (relay.py)
 
 
 @dataclass
@@ -95,8 +97,10 @@ def _no_sync(config: Any, chunks: int) -> Iterator[None]:
         yield
 
 
-def _relay_to_last_rank(sched: Schedule, rank: int, step: MegatronStep, group: dist.ProcessGroup) -> list:
-    """Loss reports of all directions, in global micro-batch order, on the last pipeline rank."""
+def _relay_to_last_rank(sched: Schedule, rank: int, step: MegatronStep, group: dist.ProcessGroup,
+                        layouts: dict) -> list:
+    """Loss reports of all directions, in global micro-batch order, on the last pipeline rank
+    (a report layout is sent once per direction and program, then only its tensors: relay.py)."""
     last = sched.ranks - 1
     gathered: list = []
     for d in range(sched.directions):
@@ -104,9 +108,9 @@ def _relay_to_last_rank(sched: Schedule, rank: int, step: MegatronStep, group: d
         if src == last:
             gathered += step.reports(d) if rank == last else []
             continue
-        box = [step.reports(d) if rank == src else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
-        gathered += box[0] if rank == last else []
+        reports = relay(step.reports(d) if rank == src else None, src, group, layouts,
+                        (d, sched.microbatches, step.forward_only), step.num_tokens.device)
+        gathered += reports if rank == last else []
     return gathered
 
 
@@ -125,6 +129,7 @@ class StepPlan:
     overlap: bool
     shapes: list
     forward_only: bool
+    overlap_layers: str  # what the overlap announcement names (moe_overlap.layers_to_announce)
 
 
 def _schedule(options: DualPipeOptions, group: dist.ProcessGroup, microbatches: int, forward_only: bool,
@@ -196,7 +201,7 @@ def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: n
         cp_group=pg_collection.cp,
     )
     return StepPlan(sched, plan, stage_map, group, rank, chunks, config, pg_collection, overlap, shapes,
-                    forward_only)
+                    forward_only, layers_to_announce(chunks) if overlap else "")
 
 
 def _tracer(options: DualPipeOptions, group: dist.ProcessGroup) -> OpTracer | None:
@@ -234,7 +239,8 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
     step.mtp_records = mtp_records
     options.state.last_stats = executor.stats
     if sp.overlap:
-        announce_overlap(executor.stats.overlapped, executor.stats.deferred, sp.sched.ops[sp.rank])
+        announce_overlap(executor.stats.overlapped, executor.stats.deferred, sp.sched.ops[sp.rank],
+                         sp.overlap_layers)
     step.finish()
     return step
 
@@ -293,7 +299,7 @@ def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronSte
             check_mirrored_expert_bias(sp, options.state.mirror_group)
         if step.mtp_records is not None:
             replay_mtp_metrics(step.mtp_records, sp.group, step.num_tokens.device)  # made on the model's device
-    return _relay_to_last_rank(sp.sched, sp.rank, step, sp.group)
+    return _relay_to_last_rank(sp.sched, sp.rank, step, sp.group, options.state.report_layouts)
 
 
 def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
