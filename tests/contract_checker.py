@@ -55,6 +55,8 @@ def check(doc: dict) -> None:
         for s in range(S):
             assert home[(0, s)] == {s} and home[(1, s)] == {P - 1 - s}
     _check_runs(doc["ops"], S)
+    if "programs" in doc:
+        _check_programs(doc)
 
 
 def _check_runs(all_ops: list[list[dict]], stages: int) -> None:
@@ -88,3 +90,67 @@ def _check_runs(all_ops: list[list[dict]], stages: int) -> None:
                 moved = True
     stuck = [r for r, ops in enumerate(all_ops) if pos[r] < len(ops)]
     assert not stuck, f"deadlock or broken dependency on ranks {stuck}"
+
+
+def _feeds(a: tuple, b: tuple) -> bool:
+    """Whether single op ``a``'s output (activations, or input grads) is an input of single op ``b``."""
+    (ka, (d, s, m), _), (kb, key_b, _) = a, b
+    return ((ka, kb) == ("F", "F") and key_b == (d, s + 1, m)) or ((ka, kb) == ("B", "B") and key_b == (d, s - 1, m))
+
+
+def _check_programs(doc: dict) -> None:
+    """The per-rank programs: each rank runs its ops in order, and its posts carry exactly the
+    cross-rank inputs, matched in order per pair, posted and waited where the ops need them."""
+    forward_only = doc.get("forward_only", False)
+    assert isinstance(forward_only, bool), "forward_only must be a boolean"
+    programs = doc["programs"]
+    assert set(programs) == {str(r) for r in range(len(doc["ops"]))}, f"program ranks {sorted(programs)}"
+    runs: dict[int, list[dict]] = {}
+    sends: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> producing ops, in post order
+    recvs: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> needing ops, in post order
+    for rank, ops in enumerate(doc["ops"]):
+        want = [(i, op) for i, op in enumerate(ops) if not forward_only or op["op"] in ("F", "FB")]
+        want = [(i, op["f"] | {"op": "F"} if forward_only and op["op"] == "FB" else op) for i, op in want]
+        events = programs[str(rank)]
+        runs[rank] = [e for e in events if "run" in e]
+        assert [(e["run"], e["op"]) for e in runs[rank]] == want, f"rank {rank}: the runs are not its ops in order"
+        posted: dict[int, tuple] = {}  # id -> (kind, peer, index of the run before it)
+        waited: dict[int, int] = {}  # id -> index of the run after its wait
+        done = 0
+        for e in events:
+            if "run" in e:
+                done += 1
+            elif "post" in e:
+                assert e["post"] in ("send", "recv") and e["id"] not in posted and e["peer"] != rank, e
+                assert 0 <= e["peer"] < len(doc["ops"]), e
+                posted[e["id"]] = (e["post"], e["peer"], done - 1)
+            else:
+                assert set(e) == {"wait", "what"} and all(i in posted and i not in waited for i in e["wait"]), e
+                waited.update((i, done) for i in e["wait"])
+        assert waited.keys() == posted.keys(), f"rank {rank}: posts never waited for"
+        for ident, (kind, peer, before) in posted.items():
+            if kind == "send":
+                assert before >= 0, f"rank {rank}: a send before any op ran"
+                sends[(rank, peer)].append(runs[rank][before]["op"])
+            else:
+                assert waited[ident] < len(runs[rank]), f"rank {rank}: a receive no op needs"
+                recvs[(peer, rank)].append(runs[rank][waited[ident]]["op"])
+    home = {(k, key): rank for rank, ops in runs.items() for op in ops for k, key, _ in _singles(op["op"])}
+    expected = set()  # (producer, consumer) single ops on different ranks
+    for (k, (d, s, m)), rank in home.items():
+        if k in ("F", "B"):
+            producer = (k, (d, s - 1, m) if k == "F" else (d, s + 1, m))
+            if home.get(producer, rank) != rank:
+                expected.add((producer, (k, (d, s, m))))
+    covered = set()
+    matched = 0
+    for pair in set(sends) | set(recvs):
+        assert len(sends[pair]) == len(recvs[pair]), f"pair {pair}: sends and receives differ in number"
+        for made, used in zip(sends[pair], recvs[pair]):  # NCCL matches a pair's messages in order
+            found = {((a[0], a[1]), (b[0], b[1])) for a in _singles(made) for b in _singles(used)
+                     if _feeds(a, b)}
+            assert found, f"pair {pair}: a message from {made} is received for {used}, which does not need it"
+            covered |= found
+            matched += 1
+    assert covered == expected and matched == len(expected), (
+        f"{matched} messages cover {len(covered)} of {len(expected)} cross-rank inputs")

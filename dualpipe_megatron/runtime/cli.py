@@ -1,7 +1,8 @@
 """``python -m dualpipe_megatron.runtime``: check p2p calls against the model of NCCL's semantics.
 
 - ``nccl-check FILE``: a step's recorded calls (``DUALPIPE_NCCL_STRICT_DIR`` writes them
-  when strict mode fails a step; or any ``{"programs": {rank: [events]}}`` file).
+  when strict mode fails a step), a schedule ``dump`` with its lowered programs, or any
+  ``{"programs": {rank: [events]}}`` file.
 - ``nccl-sweep``: the runtime's real posting logic for generated schedules (no processes).
 - ``nccl-controls``: the model's control cases and their verdicts.
 """

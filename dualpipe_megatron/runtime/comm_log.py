@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-SEND = "send"
-RECV = "recv"
+from ..schedules.lower import RECV, SEND
 
 
 @dataclass

@@ -2,11 +2,12 @@
 
 gloo buffers sends and has no per-pair queue, so a posting order that passes CPU tests can hang
 on NCCL. This model replays, per rank, the exact sequence of communication calls its host made
-against the rules in ``docs/nccl.md``: one FIFO queue per communicator and rank
-(a rank pair's communicator for unbatched ops, the process group's for batches and
-collectives), rendezvous sends (zero buffering), matching by order, independent ops inside a
-batch except same-peer same-direction order, blocking host waits, and the host-side
-rendezvous that initialises a pair's communicator on its first use.
+(a lowered program's ``{"run": ...}`` events are its compute and pass) against the rules in
+``docs/nccl.md``: one FIFO queue per communicator and rank (a rank pair's communicator for
+unbatched ops, the process group's for batches and collectives), rendezvous sends (zero
+buffering), matching by order, independent ops inside a batch except same-peer same-direction
+order, blocking host waits, and the host-side rendezvous that initialises a pair's
+communicator on its first use.
 
 Only queue heads can make progress, so the fixpoint looks at a queue only when its head
 changes: matching is symmetric, so whichever of two heads arrives last finds the match.
@@ -156,9 +157,9 @@ def _build(programs: dict[int, Program], pair_mode: bool) -> dict[int, dict[int,
                     if event["id"] in mine:
                         raise ValueError(f"{where}: duplicate id {event['id']}")
                     mine[event["id"]] = _entry(rank, event, programs, pair_mode, where)
-                else:
+                elif not (isinstance(event, dict) and "run" in event and "post" not in event):
                     raise ValueError(f"{where}: unknown event {event!r}; expected a 'post' of "
-                                     "send/recv/batch/coll or a 'wait'")
+                                     "send/recv/batch/coll, a 'wait' or a 'run'")
             except KeyError as missing:
                 raise ValueError(f"{where}: missing field {missing} in {event!r}") from None
     return entries
@@ -195,7 +196,9 @@ class _Model:
         program, mine = self.programs[rank], self.entries[rank]
         while self.pc[rank] < len(program):
             event = program[self.pc[rank]]
-            if "wait" in event:
+            if "run" in event:
+                pass  # compute: no communication, never blocks the host
+            elif "wait" in event:
                 ids, pos = event["wait"], self.wait_pos[rank]
                 while pos < len(ids) and mine[ids[pos]].done:
                     pos += 1

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .ir import Schedule, ScheduleError
+from .lower import schedule_json
 from .registry import GENERATORS, build_schedule
 from .simulate import AnyCosts, Costs, SimResult, StageCosts, simulate
 
@@ -134,11 +135,13 @@ def _result_json(res: SimResult) -> dict:
 
 def cmd_dump(args: argparse.Namespace) -> None:
     sched = _schedule(args)
+    if args.max_activations is not None and not args.optimize:
+        raise ScheduleError("--max-activations needs --optimize")
     if args.optimize:
         from .optimize import optimize_order
 
-        sched = optimize_order(sched, _costs(args))
-    print(sched.to_json())
+        sched = optimize_order(sched, _costs(args), args.max_activations)
+    print(sched.to_json() if args.no_programs else json.dumps(schedule_json(sched, args.forward_only)))
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -219,12 +222,19 @@ def cmd_draw(args: argparse.Namespace) -> None:
 def make_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="dualpipe-schedules", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
-    p = sub.add_parser("dump", help="print the schedule as contract JSON")
+    p = sub.add_parser("dump", help="print the schedule as contract JSON, with its per-rank programs")
     _add_shape(p)
     _add_costs(p)
     p.add_argument("--optimize", action="store_true",
                    help="reorder the ops for these costs (--stage-costs or the uniform ones): never "
                         "a longer simulated step nor a higher per-rank activation peak than the input")
+    p.add_argument("--max-activations", metavar="K", type=positive_int, default=None,
+                   help="with --optimize: the fastest order found with at most K live activations "
+                        "((direction, stage, micro-batch) units) on every rank, even if slower than the input")
+    p.add_argument("--forward-only", action="store_true",
+                   help="lower the per-rank programs ('programs') for a forward-only step (default: training)")
+    p.add_argument("--no-programs", action="store_true",
+                   help="leave out 'programs' and 'forward_only' (a reader lowers the ops itself when it needs them)")
     p.set_defaults(func=cmd_dump)
     p = sub.add_parser("simulate", help="per-rank timing table of one schedule")
     _add_shape(p)
