@@ -3,12 +3,14 @@ and on average clearly faster (issue 16's grid, P <= 4 here to stay fast; P = 8 
 
 from __future__ import annotations
 
+import json
 import random
 from fractions import Fraction
 
 import pytest
 
 from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulate, validate
+from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import ScheduleError
 from dualpipe_megatron.schedules.optimize import min_activations, optimize_order
 from dualpipe_megatron.schedules.events import peak_live_activations
@@ -155,3 +157,20 @@ def test_a_budget_above_the_peak_is_never_slower(name: str, setting: str) -> Non
         assert simulate(out, costs).makespan <= free
         assert max(peak_live_activations(ops) for ops in out.ops) <= budget
 
+
+def test_cli_max_activations(tmp_path, capsys) -> None:
+    sched = build_schedule("dualpipev", 4, 8)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(stage_costs(sched, "c").to_json_obj()))
+    argv = ["dump", "--schedule", "dualpipev", "-P", "4", "-M", "8", "--optimize", "--stage-costs", str(path),
+            "--no-programs"]
+    assert main(argv + ["--max-activations", "5"]) == 0
+    out = Schedule.from_json_obj(json.loads(capsys.readouterr().out))
+    validate(out)
+    assert max(peak_live_activations(ops) for ops in out.ops) <= 5
+    for bad, fragment in (("1", "below the minimum 2"), ("0", "expected a positive integer")):
+        assert main(argv + ["--max-activations", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
+    assert main(argv[:7] + ["--max-activations", "5"]) == 2
+    assert "needs --optimize" in capsys.readouterr().err
