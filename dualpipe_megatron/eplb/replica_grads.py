@@ -15,7 +15,9 @@ gradient with its replicas' already added (:class:`.replicas.LayerReplicas` send
   could arrive: the expert bucket groups ignore it, so they reduce when the two calls above start
   them (Megatron's first-iteration behaviour, kept for every iteration).
 
-Each is a wrapper on a config attribute or a bucket-group instance, not a patch of Megatron's code.
+Each is a wrapper on a config attribute, or (the grad-ready hold) a guarded instance patch of a
+bucket group (:data:`BUCKET_PATCHES`, undone by :func:`forget_gradient_sources`), not a patch of
+Megatron's code.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch
+
+from ..patch_guard import PatchSet
+
+BUCKET_PATCHES = PatchSet("EPLB expert bucket hold")
 
 # Sends replica gradients of the layers whose parameters are in the given ids (None: all layers)
 # that were not sent yet this step.
@@ -42,7 +48,7 @@ def hold_expert_buckets(model: list[torch.nn.Module]) -> int:
         if config is None or not config.overlap_grad_reduce:
             continue
         for group in chunk.expert_parallel_bucket_groups:
-            group.register_grad_ready = _ignore_grad_ready
+            BUCKET_PATCHES.patch(group, "register_grad_ready", _ignore_grad_ready, "(param, force_all_reduce=False)")
             held += 1
     return held
 
@@ -90,10 +96,13 @@ def wrap_gradient_path(config: Any, reduce: Reduce) -> None:
 
 
 def forget_gradient_sources() -> None:
-    """Take EPLB's callback out of our schedules' step end (a new job, or EPLB uninstalled)."""
+    """Take EPLB's callback out of our schedules' step end and let DDP's expert bucket groups
+    launch from their grad-ready hooks again (a new job, or EPLB uninstalled)."""
     from ..megatron.schedule import GRADIENT_SOURCES
+
+    BUCKET_PATCHES.restore()
 
     GRADIENT_SOURCES[:] = [source for source in GRADIENT_SOURCES if not getattr(source, "eplb", False)]
 
 
-__all__ = ["forget_gradient_sources", "hold_expert_buckets", "wrap_gradient_path"]
+__all__ = ["BUCKET_PATCHES", "forget_gradient_sources", "hold_expert_buckets", "wrap_gradient_path"]
