@@ -123,7 +123,9 @@ def _shares(model: _Model, caps: list[int], depth: Counter) -> Optional[dict[tup
     """Each (rank, direction)'s share of the rank's cap, in proportion to the micro-batches 1F1B
     keeps in flight at its stages (stages behind them); None if a share would hold less than
     one micro-batch's stages there."""
-    weight = Counter({(r, d): model.stages - s for (d, s), r in model.rank.items()})
+    weight: Counter = Counter()
+    for (d, s), r in model.rank.items():
+        weight[(r, d)] += model.stages - s
     out: dict[tuple[int, int], int] = {}
     for r in range(model.ranks):
         mine = sorted((key for key in weight if key[0] == r), key=lambda k: (-weight[k], k))
