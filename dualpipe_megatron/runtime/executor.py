@@ -18,6 +18,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from ..schedules.ir import B, F, Key, Schedule, W
+from ..schedules.lower import describe
 from .handlers import StageHandlers
 from .p2p import P2P
 from .plan import ACT, GRAD, Message, MessagePlan
@@ -58,11 +59,6 @@ class OpObserver(Protocol):
     def op_done(self, index: int, parts: tuple[Half, ...], begin_ns: int, end_ns: int, wait_ns: int) -> None: ...
 
     def step_done(self) -> None: ...
-
-
-def _describe(index: int, parts: Sequence[Half]) -> str:
-    body = ", ".join(str(h) for h in parts)
-    return f"op #{index} {body if len(parts) == 1 else f'FB[{body}]'} (micro-batch {parts[0].key.m})"
 
 
 class Executor:
@@ -125,7 +121,7 @@ class Executor:
         self._check_drained()
 
     def _run_op(self, plan: MessagePlan, n: int, index: int, parts: tuple[Half, ...]) -> None:
-        where = _describe(index, parts)
+        where = describe(index, parts)
         with op_range(parts), self.wgrad_store.activated():
             if len(parts) == 2 and self._paired(parts[0], parts[1]):
                 self._pair(parts[0], parts[1], plan.recvs[n], plan.sends[n], where)
