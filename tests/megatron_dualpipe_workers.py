@@ -601,7 +601,7 @@ def plan_agreement_checks(pp: int) -> dict:
         _step(chunks, make_forward_backward_func(options), m, 43)
     except PlanMismatchError as exc:
         error = str(exc)
-    ran = options.state.last_stats
+    ran = options.last_stats
     ok = orders_differ and "differ from rank 0" in error and ran is None
     return _verdict(f"plan_mismatch_dualpipev_p{pp}", ok,
                     f"orders differ {orders_differ}, ops run {ran}, error {error[:160]!r}")

@@ -8,16 +8,17 @@ gradient with its replicas' already added (:class:`.replicas.LayerReplicas` send
 - ``config.grad_sync_func`` (with ``--overlap-grad-reduce``: Megatron's schedules and ours call it
   per model chunk once the chunk's backward is done): wrapped to send the replicas of the layers
   among the parameters it is given first;
-- our DualPipe schedules' step end (``schedule.GRADIENT_SOURCES``), before they sum DualPipe's
-  mirrored copies (and tied embeddings): each copy's replicas go to that copy's owners first;
+- our DualPipe schedules' step end (a step-end action on the job, ``megatron/job.py``), before
+  they sum DualPipe's mirrored copies (and tied embeddings): each copy's replicas go to that
+  copy's owners first;
 - DDP's per-parameter "grad ready" hook (with ``--overlap-grad-reduce``), which launches a bucket
   group's reduction as soon as the last micro-batch's gradients are in, before any replica's
   could arrive: the expert bucket groups ignore it, so they reduce when the two calls above start
   them (Megatron's first-iteration behaviour, kept for every iteration).
 
-Each is a wrapper on a config attribute, or (the grad-ready hold) a guarded instance patch of a
-bucket group (:data:`BUCKET_PATCHES`, undone by :func:`forget_gradient_sources`), not a patch of
-Megatron's code.
+Each is a wrapper on a config attribute, a step-end action, or (the grad-ready hold) a guarded
+instance patch of a bucket group (:data:`BUCKET_PATCHES`); :func:`forget_gradient_sources` undoes
+the last two. None is a patch of Megatron's code.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..megatron.job import DualPipeJob, StepEndAction
 from ..patch_guard import PatchSet
 
 BUCKET_PATCHES = PatchSet("EPLB expert bucket hold")
@@ -65,18 +67,18 @@ def _wrapped(func: Callable, reduce: Reduce) -> Callable:
     return grad_sync_with_replicas
 
 
-def wrap_gradient_path(config: Any, reduce: Reduce) -> None:
-    """Wrap ``config``'s finalize and grad-sync functions so that ``reduce`` runs first, and run it
-    first at the end of our schedules' steps."""
-    from ..megatron.schedule import GRADIENT_SOURCES
+def wrap_gradient_path(config: Any, reduce: Reduce, job: DualPipeJob | None) -> StepEndAction | None:
+    """Wrap ``config``'s finalize and grad-sync functions so that ``reduce`` runs first and, under
+    our schedules (``job``), run it first at the end of the job's steps; returns that step-end
+    action (None without a job), for :func:`forget_gradient_sources`."""
+    BUCKET_PATCHES.restore()
+    action = None
+    if job is not None:
+        def before_sums(chunks: list[torch.nn.Module]) -> None:
+            reduce({id(p) for chunk in chunks for p in chunk.parameters()})
 
-    forget_gradient_sources()
-
-    def before_sums(chunks: list[torch.nn.Module]) -> None:
-        reduce({id(p) for chunk in chunks for p in chunk.parameters()})
-
-    before_sums.eplb = True  # type: ignore[attr-defined]
-    GRADIENT_SOURCES.append(before_sums)
+        job.add_step_end(before_sums)
+        action = before_sums
     finalize = config.finalize_model_grads_func
     if finalize is None:
         raise RuntimeError("EPLB redundant experts: Megatron set no finalize_model_grads_func")
@@ -93,16 +95,15 @@ def wrap_gradient_path(config: Any, reduce: Reduce) -> None:
         config.grad_sync_func = [_wrapped(func, reduce) for func in sync]
     elif sync is not None:
         config.grad_sync_func = _wrapped(sync, reduce)
+    return action
 
 
-def forget_gradient_sources() -> None:
-    """Take EPLB's callback out of our schedules' step end and let DDP's expert bucket groups
-    launch from their grad-ready hooks again (a new job, or EPLB uninstalled)."""
-    from ..megatron.schedule import GRADIENT_SOURCES
-
+def forget_gradient_sources(job: DualPipeJob | None, action: StepEndAction | None) -> None:
+    """Take ``action`` (what :func:`wrap_gradient_path` returned) off ``job``'s step end and let
+    DDP's expert bucket groups launch from their grad-ready hooks again (EPLB uninstalled)."""
     BUCKET_PATCHES.restore()
-
-    GRADIENT_SOURCES[:] = [source for source in GRADIENT_SOURCES if not getattr(source, "eplb", False)]
+    if job is not None and action is not None:
+        job.remove_step_end(action)
 
 
 __all__ = ["BUCKET_PATCHES", "forget_gradient_sources", "hold_expert_buckets", "wrap_gradient_path"]

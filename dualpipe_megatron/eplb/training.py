@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron.guard import check_private_symbols, check_version
-from ..megatron.training_support import register_arguments
+from ..megatron.training_support import active_job, register_arguments
 from ..patch_guard import PatchSet, around
 from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts, take_slot_counts
 from .guard import adopt, imbalance, layer_imbalance, overall_imbalance
@@ -201,6 +201,8 @@ class EplbController:
         if groups > 1 and (options.interval > 0 or options.redundant):
             _print_last(f"EPLB placement: {self.policy.reason}")
         self.slots: torch.Tensor | None = None  # compute slots, with redundant experts
+        self.gradient_job = active_job()  # our schedules' job, where the replica-gradient action goes
+        self.step_end_action = None  # that action (replica_grads.wrap_gradient_path)
         if options.redundant:
             first = initial_slots(self.num_experts, options.redundant, self.ep_size, self.policy.layout.nodes)
             self.slots = first.repeat(len(self.keys), 1)
@@ -208,7 +210,8 @@ class EplbController:
             self._place_replicas()
             from megatron.core.utils import get_model_config
 
-            wrap_gradient_path(get_model_config(model[0]), self.reduce_replica_grads)
+            self.step_end_action = wrap_gradient_path(get_model_config(model[0]), self.reduce_replica_grads,
+                                                      self.gradient_job)
             hold_expert_buckets(model)
             self.reduced: set[int] = set()  # handles whose replica gradients went out this step
             self._report_memory()
@@ -569,8 +572,9 @@ SIGNATURES = {
 
 def uninstall() -> None:
     PATCHES.restore()
-    if _state["controller"] is not None:
-        forget_gradient_sources()
+    controller = _state["controller"]
+    if controller is not None:
+        forget_gradient_sources(controller.gradient_job, controller.step_end_action)
     _state.update(controller=None, loaded=None)
 
 

@@ -71,10 +71,10 @@ def prepare_model(model: Sequence[nn.Module], options: DualPipeOptions, rank: in
     install_delayed_wgrad_deferral()
     stage_map = stage_map_for(options.schedule, ranks)
     tie_embeddings_locally(model, stage_map, rank)
-    options.state.prepared = True
+    options.job.prepared = True
     if options.schedule == "dualpipe":
-        options.state.mirror_group = build_mirror_group()
-        broadcast_mirrored_params(model, stage_map, rank, options.state.mirror_group)
+        options.job.mirror_group = build_mirror_group()
+        broadcast_mirrored_params(model, stage_map, rank, options.job.mirror_group)
         mark_mirror_copies_shared(model)
         save_mirror_copies_as_replicas(model[1])
     return options

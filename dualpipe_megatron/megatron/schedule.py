@@ -6,8 +6,9 @@ in three steps: :func:`plan_step` checks the call and picks the schedule, the
 stages and the MoE overlap; :func:`run_step` executes the op list, each chunk's
 forward through Megatron's own ``forward_step`` (loss scaling by the number of
 micro-batches, MoE aux-loss and MTP scales, per-token loss,
-``forward_data_store``) under ``no_sync``; :func:`finish_step` sums tied and
-mirrored gradients before ``finalize_model_grads_func`` and hands the loss
+``forward_data_store``) under ``no_sync``; :func:`finish_step` runs the job's
+step-end actions (:mod:`.job`), sums tied and mirrored gradients before
+``finalize_model_grads_func`` and hands the loss
 reports to the last pipeline rank, where ``train_step`` reads them.
 """
 
@@ -37,6 +38,7 @@ from .grads import (
     mirrored_expert_bias_mismatches, sum_mirrored_expert_token_counts, sum_mirrored_grads, sum_tied_embedding_grads,
 )
 from .guard import check_private_symbols
+from .job import DualPipeJob
 from .moe_overlap import MoEOverlapHandlers, announce_overlap, layers_to_announce, overlap_enabled
 from .mtp import recording_mtp_metrics, replay_mtp_metrics
 from .predicates import stage_map_active
@@ -44,19 +46,6 @@ from .relay import relay
 from .stages import MegatronHandlers, MegatronStep, MicrobatchData
 from .support import SCHEDULES, delayed_wgrad_problems, stage_map_for, step_problems
 from .topology import StageMap
-
-
-@dataclass
-class DualPipeState:
-    """What a job's schedule keeps between steps; set by the adapter, not by users."""
-
-    prepared: bool = False  # prepare_model ran (ties, mirrors, weight-grad patches)
-    mirror_group: dist.ProcessGroup | None = None  # DualPipe only, from prepare_model
-    last_stats: StepStats | None = None  # the executor's counters of the latest step
-    plans: dict = field(default_factory=dict)  # (ranks, M, forward_only, rank) -> (schedule, plan)
-    schedules: dict = field(default_factory=dict)  # (ranks, M) -> the schedule the steps run
-    tracer: OpTracer | None = None  # created on the first step when tracing
-    report_layouts: dict = field(default_factory=dict)  # (direction, M, forward_only) -> layout sent (relay.py)
 
 
 @dataclass
@@ -72,15 +61,17 @@ class DualPipeOptions:
     # Run the op order optimized for these costs (schedules/optimize.py) instead of DeepSeek's;
     # None: DeepSeek's order. Costs or StageCosts (the same on every rank: the result is too).
     optimize_for: Costs | StageCosts | None = None
-    state: DualPipeState = field(default_factory=DualPipeState, repr=False, compare=False)
+    # The job these options run (what the schedule keeps between steps, its step-end actions):
+    # not configuration, the handle through which prepare_model and every step reach the same job.
+    job: DualPipeJob = field(default_factory=DualPipeJob, init=False, repr=False, compare=False)
 
     @property
     def mirror_group(self) -> dist.ProcessGroup | None:
-        return self.state.mirror_group
+        return self.job.mirror_group
 
     @property
     def last_stats(self) -> StepStats | None:
-        return self.state.last_stats
+        return self.job.last_stats
 
 
 def _as_list(x: Any, n: int) -> list[Any]:
@@ -137,11 +128,11 @@ def _schedule(options: DualPipeOptions, group: dist.ProcessGroup, microbatches: 
     """This rank's plan, built once per program; the pipeline ranks prove they agree on it first."""
     ranks, rank = group.size(), group.rank()
     key = (ranks, microbatches, forward_only, rank)
-    plans = options.state.plans
+    plans = options.job.plans
     if key not in plans:
-        sched = options.state.schedules.get((ranks, microbatches))
+        sched = options.job.schedules.get((ranks, microbatches))
         if sched is None:
-            sched = options.state.schedules[(ranks, microbatches)] = _build(options, ranks, microbatches)
+            sched = options.job.schedules[(ranks, microbatches)] = _build(options, ranks, microbatches)
         check_plan_agreement(sched, forward_only, group, device)
         plans[key] = (sched, MessagePlan.build(sched, rank, forward_only))
     return plans[key]
@@ -171,7 +162,7 @@ def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: n
               forward_only: bool, collect_non_loss_data: bool, adjust_tensor_shapes_fn: Callable | None,
               pg_collection: Any) -> StepPlan:
     """Check one call and decide how it runs; raises ``ValueError`` naming every unsupported option."""
-    if not options.state.prepared:
+    if not options.job.prepared:
         raise RuntimeError(f"--pipeline-schedule {options.schedule}: call prepare_model() once after "
                            f"building the model")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -206,9 +197,9 @@ def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: n
 
 def _tracer(options: DualPipeOptions, group: dist.ProcessGroup) -> OpTracer | None:
     """This process's op tracer when ``options.trace_dir`` is set (one file per process and job)."""
-    if options.trace_dir is not None and options.state.tracer is None:
-        options.state.tracer = OpTracer.for_group(options.trace_dir, group)
-    return options.state.tracer
+    if options.trace_dir is not None and options.job.tracer is None:
+        options.job.tracer = OpTracer.for_group(options.trace_dir, group)
+    return options.job.tracer
 
 
 def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: Callable, data_iterator: Any,
@@ -237,18 +228,12 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
         with torch.no_grad() if sp.forward_only else contextlib.nullcontext():
             executor.run(sp.plan, sp.forward_only)
     step.mtp_records = mtp_records
-    options.state.last_stats = executor.stats
+    options.job.last_stats = executor.stats
     if sp.overlap:
         announce_overlap(executor.stats.overlapped, executor.stats.deferred, sp.sched.ops[sp.rank],
                          sp.overlap_layers)
     step.finish()
     return step
-
-
-# Callbacks that add gradients computed outside the chunks' parameters into them (EPLB's expert
-# replicas); run on every rank before any of the step's gradients is summed across ranks (tied
-# embedding, DualPipe's mirrored copies, data parallel).
-GRADIENT_SOURCES: list[Callable[[Sequence[nn.Module]], None]] = []
 
 
 CHECK_EXPERT_BIAS_ENV = "DUALPIPE_CHECK_EXPERT_BIAS"  # "1": after every step, compare the copies' biases
@@ -276,12 +261,11 @@ def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronSte
     rank, and relay the loss reports to the last one, where Megatron's training log reads them."""
     sp, config = step_plan, step_plan.config
     if not sp.forward_only:
-        for source in GRADIENT_SOURCES:
-            source(sp.chunks)
+        options.job.run_step_end(sp.chunks)  # before any cross-rank sum (job.py)
         sum_tied_embedding_grads(sp.chunks, sp.stage_map, sp.rank)
         if sp.sched.directions > 1:
-            sum_mirrored_grads(sp.chunks, sp.stage_map, sp.rank, options.state.mirror_group)
-            sum_mirrored_expert_token_counts(sp.chunks, sp.stage_map, sp.rank, options.state.mirror_group)
+            sum_mirrored_grads(sp.chunks, sp.stage_map, sp.rank, options.job.mirror_group)
+            sum_mirrored_expert_token_counts(sp.chunks, sp.stage_map, sp.rank, options.job.mirror_group)
         if config.grad_sync_func is not None:
             for c, func in enumerate(_as_list(config.grad_sync_func, len(sp.chunks))):
                 func(sp.chunks[c].parameters())
@@ -296,10 +280,10 @@ def finish_step(options: DualPipeOptions, step_plan: StepPlan, step: MegatronSte
                 pg_collection=sp.pg_collection, force_all_reduce=force_all_reduce,
             )
         if sp.sched.directions > 1 and os.environ.get(CHECK_EXPERT_BIAS_ENV) == "1":
-            check_mirrored_expert_bias(sp, options.state.mirror_group)
+            check_mirrored_expert_bias(sp, options.job.mirror_group)
         if step.mtp_records is not None:
             replay_mtp_metrics(step.mtp_records, sp.group, step.num_tokens.device)  # made on the model's device
-    return _relay_to_last_rank(sp.sched, sp.rank, step, sp.group, options.state.report_layouts)
+    return _relay_to_last_rank(sp.sched, sp.rank, step, sp.group, options.job.report_layouts)
 
 
 def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
@@ -344,6 +328,6 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
 
 
 __all__ = [
-    "DualPipeOptions", "DualPipeState", "StepPlan", "finish_step", "make_forward_backward_func", "plan_step",
+    "DualPipeJob", "DualPipeOptions", "StepPlan", "finish_step", "make_forward_backward_func", "plan_step",
     "run_step", "stage_map_for",
 ]

@@ -49,6 +49,7 @@ from .auto_layout import auto_layout
 from .guard import check_version
 from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_ranks, prepare_model
 from .predicates import install_predicates, set_job_stage_map
+from .job import DualPipeJob
 from .schedule import DualPipeOptions, make_forward_backward_func
 from .support import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, stage_map_for
 
@@ -74,6 +75,13 @@ _state: dict[str, Any] = {"options": None}
 
 def active_options() -> DualPipeOptions | None:
     return _state["options"]
+
+
+def active_job() -> DualPipeJob | None:
+    """The job our schedules run (where other features register step-end actions); None when
+    ``--pipeline-schedule`` is not one of ours."""
+    options = _state["options"]
+    return None if options is None else options.job
 
 
 # Other features' flags (EPLB), parsed and checked through our argument hooks so that both the
@@ -338,6 +346,6 @@ def uninstall() -> None:
     PATCHES.restore()
 
 
-__all__ = ["CHOICES", "PATCHES", "activate_job_stage_map", "active_options", "add_arguments",
+__all__ = ["CHOICES", "PATCHES", "activate_job_stage_map", "active_job", "active_options", "add_arguments",
            "check_checkpoint_schedule", "install", "pipeline_position", "post_validate",
            "pre_validate", "register_arguments", "uninstall"]
