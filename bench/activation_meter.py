@@ -5,7 +5,9 @@ schedule actually decides about: storages kept alive for backward. A storage
 counts from the moment autograd saves a tensor on it (or a deferred weight-grad
 closure captures one) until the last such holder is gone; storages shared by
 several saved tensors count once, parameters never. Receive buffers, gradients
-and temporaries are not activations and are not counted.
+and temporaries are not activations and are not counted. With ``timeline`` the meter also
+keeps the live bytes after every change, on the clock the op tracer reads, so a traced step's
+ops can be given their bytes (op_bytes.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from time import perf_counter_ns
 from typing import Any
 
 import torch
@@ -42,11 +45,13 @@ def _captured_tensors(func: Callable[[], None]) -> list[torch.Tensor]:
 class ActivationMeter:
     """Live and peak bytes of storages held for backward, outside ``params``."""
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], timeline: bool = False) -> None:
         self._excluded = {p.untyped_storage().data_ptr() for p in params}
         self._holders: dict[int, int] = {}  # storage address -> holders alive
         self.live = 0
         self.peak = 0
+        # (perf_counter_ns, live bytes) after every change, when asked for
+        self.timeline: list[tuple[int, int]] | None = [] if timeline else None
 
     def _hold(self, tensor: torch.Tensor, holder: object) -> None:
         storage = tensor.untyped_storage()
@@ -56,6 +61,7 @@ class ActivationMeter:
         if self._holders.get(key, 0) == 0:
             self.live += size
             self.peak = max(self.peak, self.live)
+            self._record()
         self._holders[key] = self._holders.get(key, 0) + 1
         weakref.finalize(holder, self._release, key, size)
 
@@ -64,6 +70,11 @@ class ActivationMeter:
         if self._holders[key] == 0:
             del self._holders[key]
             self.live -= size
+            self._record()
+
+    def _record(self) -> None:
+        if self.timeline is not None:
+            self.timeline.append((perf_counter_ns(), self.live))
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
         holder = _Saved(tensor)

@@ -27,11 +27,12 @@ class Variant:
     """A schedule on this rank: ``run`` is one forward-backward step of the configured batch.
 
     Busy time comes from ``clock`` (reset before and read after each step) or, when
-    ``trace_dir`` is set, from this rank's op trace once all steps are done.
+    ``trace_dir`` is set, from this rank's op trace once all steps are done. ``last_output`` is
+    what the latest step's ``run`` returned (the loss reports on the last pipeline rank).
     """
 
     name: str
-    run: Callable[[], None]
+    run: Callable[[], object]
     params: list[nn.Parameter]
     activate: Callable[[], None] = lambda: None
     clock: ComputeClock | None = None
@@ -42,6 +43,7 @@ class Variant:
     _timed: list[int] = field(default_factory=list)  # indices of the timed steps
     _steps: int = 0
     peak_activation_bytes: int = 0
+    last_output: object = None
 
     def _step(self) -> None:
         self.activate()
@@ -49,7 +51,7 @@ class Variant:
             p.grad = None
         if self.clock is not None:
             self.clock.take()
-        self.run()
+        self.last_output = self.run()
         if self.clock is not None:
             self._busy.append(self.clock.take())
         self._steps += 1
@@ -67,14 +69,16 @@ class Variant:
         self.seconds.append(time.perf_counter() - start)
         self._timed.append(self._steps - 1)
 
-    def memory_step(self) -> None:
-        """One untimed step under the activation meter (its hooks cost time)."""
-        meter = ActivationMeter(self.params)
+    def memory_step(self, timeline: bool = False) -> ActivationMeter:
+        """One untimed step under the activation meter (its hooks cost time); the meter, with its
+        timeline of live bytes when asked for."""
+        meter = ActivationMeter(self.params, timeline)
         dist.barrier()
         with meter.measuring():
             self._step()
         dist.barrier()
         self.peak_activation_bytes = meter.peak
+        return meter
 
     def busy_seconds(self) -> list[float]:
         """Busy seconds of each timed step on this rank."""

@@ -61,3 +61,13 @@ def test_deferred_weight_grads_stay_counted_until_their_w() -> None:
         WeightGradStore.pop("k")
     assert held > 0 and meter.live == 0
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_timeline_records_live_bytes_after_every_change() -> None:
+    model = _chain(2)
+    meter = ActivationMeter(model.parameters(), timeline=True)
+    with meter.measuring():
+        model(torch.randn(ROWS, WIDTH, requires_grad=True)).sum().backward()
+    times = [t for t, _ in meter.timeline]
+    assert [live for _, live in meter.timeline] == [BYTES, 2 * BYTES, BYTES, 0] and times == sorted(times)
+    assert ActivationMeter([]).timeline is None  # off unless asked for
