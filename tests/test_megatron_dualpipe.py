@@ -2,7 +2,8 @@
 
 One launch per pipeline size runs every check (importing Megatron costs seconds per process):
 losses and every gradient against Megatron's own 1F1B at the same P and against PP=1, for
-tied and untied embeddings and M in {2P, 3P} (3P at P=2 only); forward-only; checkpoint keys; mirrored copies.
+tied and untied embeddings and M in {2P, 3P} (3P at P=2 only); DualPipeV under an activation
+budget; forward-only; checkpoint keys; mirrored copies.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def test_training_step_matches(results: tuple[int, dict], schedule: str, tied: s
     pp = results[0]
     for factor in M_FACTORS[pp]:
         _check(results, f"{schedule}_vs_{reference}_p{pp}_m{factor * pp}_{tied}")
+
+
+def test_activation_budget_matches_1f1b(results: tuple[int, dict]) -> None:
+    """DualPipeV with max_activations at 3/4 of DeepSeek's peak (M = 2P): another order, no rank
+    above the budget, and 1F1B's losses and grads."""
+    pp = results[0]
+    _check(results, f"budget_dualpipev_vs_1f1b_p{pp}_m{2 * pp}")
 
 
 @pytest.mark.parametrize("tied", ["untied", "tied"])

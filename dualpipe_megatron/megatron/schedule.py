@@ -31,7 +31,7 @@ from ..runtime.executor import Executor, StepStats
 from ..runtime.p2p import DistTransport, P2P
 from ..runtime.plan import MessagePlan
 from ..schedules import Schedule, ScheduleError, build_schedule, simulate, validate
-from ..schedules.optimize import optimize_order
+from ..schedules.optimize import min_activations, optimize_order
 from ..schedules.simulate import Costs, StageCosts
 from ..trace.recorder import OpTracer
 from .grads import (
@@ -61,6 +61,10 @@ class DualPipeOptions:
     # Run the op order optimized for these costs (schedules/optimize.py) instead of DeepSeek's;
     # None: DeepSeek's order. Costs or StageCosts (the same on every rank: the result is too).
     optimize_for: Costs | StageCosts | None = None
+    # Activation budget (--dualpipe-max-activations): the fastest order found with at most this many
+    # live (d,s,m) stage activations on every rank (schedules/optimize.py), for optimize_for or,
+    # when that is None, the uniform costs; None: no budget.
+    max_activations: int | None = None
     # The job these options run (what the schedule keeps between steps, its step-end actions):
     # not configuration, the handle through which prepare_model and every step reach the same job.
     job: DualPipeJob = field(default_factory=DualPipeJob, init=False, repr=False, compare=False)
@@ -138,22 +142,39 @@ def _schedule(options: DualPipeOptions, group: dist.ProcessGroup, microbatches: 
     return plans[key]
 
 
+def check_activation_budget(sched: Schedule, max_activations: int) -> None:
+    """Refuse a budget that no order of ``sched``'s placement can meet, stating the minimum."""
+    minimum = min_activations(sched)
+    if max_activations < minimum:
+        raise ValueError(f"--dualpipe-max-activations {max_activations} is below the minimum {minimum}: every "
+                         f"order of {sched.name} at P={sched.ranks} keeps {minimum} stage activations "
+                         f"(direction, stage, micro-batch) live on some rank")
+
+
 def _build(options: DualPipeOptions, ranks: int, microbatches: int) -> Schedule:
-    """DeepSeek's order, or the order optimized for ``options.optimize_for`` (said once on global rank 0)."""
+    """DeepSeek's order, or the order optimized for ``options.optimize_for`` (the uniform costs when
+    only a budget is set) within ``options.max_activations`` (said once on global rank 0)."""
     try:
         sched = build_schedule(options.schedule, ranks, microbatches)
     except ScheduleError as exc:
         raise ValueError(f"--pipeline-schedule {options.schedule}: {exc}") from None
     validate(sched)
-    if options.optimize_for is None:
+    budget = options.max_activations
+    if options.optimize_for is None and budget is None:
         return sched
-    optimized = optimize_order(sched, options.optimize_for)
+    costs = Costs.of() if options.optimize_for is None else options.optimize_for
+    if budget is not None:
+        check_activation_budget(sched, budget)
+    try:
+        optimized = optimize_order(sched, costs, max_activations=budget)
+    except ScheduleError as exc:
+        raise ValueError(f"--dualpipe-max-activations {budget}: {exc}") from None
     if dist.is_initialized() and dist.get_rank() == 0:
-        before, after = simulate(sched, options.optimize_for), simulate(optimized, options.optimize_for)
+        before, after = simulate(sched, costs), simulate(optimized, costs)
         print(f"DualPipe op order optimized ({options.schedule}, P={ranks}, M={microbatches}): simulated step "
               f"{float(before.makespan):.4g} -> {float(after.makespan):.4g}, peak activations per rank "
-              f"{[r.peak_activations for r in before.per_rank]} -> {[r.peak_activations for r in after.per_rank]}",
-              flush=True)
+              f"{[r.peak_activations for r in before.per_rank]} -> {[r.peak_activations for r in after.per_rank]}, "
+              f"activation budget {'none' if budget is None else f'{budget} per rank'}", flush=True)
     return optimized
 
 
@@ -328,6 +349,6 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
 
 
 __all__ = [
-    "DualPipeJob", "DualPipeOptions", "StepPlan", "finish_step", "make_forward_backward_func", "plan_step",
-    "run_step", "stage_map_for",
+    "DualPipeJob", "DualPipeOptions", "StepPlan", "check_activation_budget", "finish_step",
+    "make_forward_backward_func", "plan_step", "run_step", "stage_map_for",
 ]

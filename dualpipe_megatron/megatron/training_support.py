@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 
 from ..schedules import ScheduleError, build_schedule
+from ..schedules.cli import positive_int
 from ..schedules.simulate import Costs, StageCosts
 from ..patch_guard import PatchSet, around
 from .auto_layout import auto_layout
@@ -50,7 +51,7 @@ from .guard import check_version
 from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_ranks, prepare_model
 from .predicates import install_predicates, set_job_stage_map
 from .job import DualPipeJob
-from .schedule import DualPipeOptions, make_forward_backward_func
+from .schedule import DualPipeOptions, check_activation_budget, make_forward_backward_func
 from .support import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, stage_map_for
 
 CHOICES = MEGATRON_SCHEDULES + SCHEDULES
@@ -137,9 +138,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "F=1 B=2 W=1 F&B=3) instead of DeepSeek's: never a longer simulated step nor a higher "
              "per-rank activation peak; numerics unchanged (rank 0 logs the simulated gain).")
     group.add_argument(
+        "--dualpipe-max-activations", type=positive_int, default=None, metavar="K",
+        help="Activation budget: run the fastest op order found (for --dualpipe-stage-costs, default "
+             "uniform; implies --dualpipe-optimize-order) in which no rank holds more than K live stage "
+             "activations, each one (direction, stage, micro-batch) from its forward to its weight "
+             "grad (docs/schedules.md, 'An activation budget'). Below DeepSeek's peak the step gets "
+             "longer; K below the schedule's minimum (2 for dualpipev, 1 for dualpipe) is an error.")
+    group.add_argument(
         "--dualpipe-stage-costs", default=None, metavar="FILE",
-        help="Per-(direction, stage) costs for --dualpipe-optimize-order, as written by "
-             "'python -m dualpipe_megatron.trace costs' (docs/schedule_format.md).")
+        help="Per-(direction, stage) costs for --dualpipe-optimize-order and --dualpipe-max-activations, "
+             "as written by 'python -m dualpipe_megatron.trace costs' (docs/schedule_format.md).")
     group.add_argument(
         "--dualpipe-trace", default=None, metavar="DIR",
         help="Record every executed pipeline op (rank, op, direction, stage, micro-batch, start, "
@@ -202,14 +210,18 @@ def post_validate(args: argparse.Namespace) -> None:
                                         defer_weight_grads=not args.dualpipe_no_wgrad_split,
                                         moe_overlap=getattr(args, "dualpipe_moe_overlap", True),
                                         trace_dir=args.dualpipe_trace,
-                                        optimize_for=_optimization_costs(args, pp))
+                                        optimize_for=_optimization_costs(args, pp),
+                                        max_activations=_activation_budget(args, pp))
 
 
 def _optimization_costs(args: argparse.Namespace, pp: int) -> Costs | StageCosts | None:
-    """The costs ``--dualpipe-optimize-order`` optimizes for, checked against the job's schedule."""
-    if args.dualpipe_stage_costs and not args.dualpipe_optimize_order:
-        raise ValueError("--dualpipe-stage-costs is used by --dualpipe-optimize-order only; add that flag")
-    if not args.dualpipe_optimize_order:
+    """The costs ``--dualpipe-optimize-order`` (or a budget, which implies it) optimizes for,
+    checked against the job's schedule."""
+    optimizing = args.dualpipe_optimize_order or args.dualpipe_max_activations is not None
+    if args.dualpipe_stage_costs and not optimizing:
+        raise ValueError("--dualpipe-stage-costs is used by --dualpipe-optimize-order and "
+                         "--dualpipe-max-activations only; add one of them")
+    if not optimizing:
         return None
     if not args.dualpipe_stage_costs:
         return Costs.of()
@@ -221,6 +233,16 @@ def _optimization_costs(args: argparse.Namespace, pp: int) -> Costs | StageCosts
     except (OSError, json.JSONDecodeError, ScheduleError) as exc:
         raise ValueError(f"--dualpipe-stage-costs {args.dualpipe_stage_costs}: {exc}") from None
     return costs
+
+
+def _activation_budget(args: argparse.Namespace, pp: int) -> int | None:
+    """``--dualpipe-max-activations``, refused here when the micro-batch count is known and no
+    order meets it (else at the first step, by the same check)."""
+    budget = args.dualpipe_max_activations
+    microbatches = _microbatches(args)
+    if budget is not None and microbatches is not None:
+        check_activation_budget(build_schedule(args.pipeline_schedule, pp, microbatches), budget)
+    return budget
 
 
 def _save_embedding_copies_plainly(args: argparse.Namespace) -> None:
