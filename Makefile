@@ -27,6 +27,7 @@ demo: setup
 # Side by side on this machine, then the calibrated projection (measured op costs -> simulator).
 bench: setup
 	$(PY) bench/bench_megatron.py
+	$(PY) bench/budget_memory.py
 	$(PY) bench/bench_runtime.py
 	$(PY) bench/trace_overhead.py
 	$(PY) bench/profiler_ranges_overhead.py

@@ -50,7 +50,7 @@ import torch.multiprocessing as mp
 import megatron_gpt  # bench/ modules: this script's directory is on sys.path
 import plain_gpt
 from busy_time import ComputeClock, time_megatron_compute
-from megatron_gpt import OUR_SCHEDULES, TUNED, GPTShape, megatron_schedules
+from megatron_gpt import DENSE, OUR_SCHEDULES, TUNED, GPTShape, megatron_schedules
 from ports import free_port
 from schedule_report import markdown, summarize
 
@@ -199,12 +199,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=12, help="timed rounds (each runs every schedule once)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--microbatches", type=int, default=8, help="M, the same for every schedule")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
-    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=DENSE.layers)
+    parser.add_argument("--hidden", type=int, default=DENSE.hidden)
+    parser.add_argument("--heads", type=int, default=DENSE.heads)
+    parser.add_argument("--seq", type=int, default=DENSE.seq)
+    parser.add_argument("--micro-batch", type=int, default=DENSE.micro_batch, help="sequences per micro-batch")
+    parser.add_argument("--vocab", type=int, default=DENSE.vocab)
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--keep-traces", type=Path, metavar="DIR",
                         help="keep our schedules' op traces in DIR/CONFIG/SCHEDULE (for python -m "

@@ -58,6 +58,11 @@ class GPTShape:
                     add_bias_linear=False)  # expert bias + probs: in-place-on-view error in 0.19.2
 
 
+# The benchmarks' dense model (bench_megatron.py's defaults): 8 layers, hidden 256, 4 heads,
+# sequence 128, micro-batches of 2 sequences, vocabulary 1024.
+DENSE = GPTShape(layers=8, hidden=256, heads=4, seq=128, micro_batch=2, vocab=1024)
+
+
 def _config(shape: GPTShape, pp: int, vpp: int | None, ep: int, **layout: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -124,10 +129,11 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: nn.Mo
 def _stepper(forward_backward: Any, chunks: list[nn.Module], shape: GPTShape, m: int):
     batches = _batches(shape, m)
 
-    def run() -> None:
-        forward_backward(forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks],
-                         model=chunks, num_microbatches=m, seq_length=shape.seq,
-                         micro_batch_size=shape.micro_batch)
+    def run() -> list:
+        """One step; the loss reports (``forward_data_store``) on the last pipeline rank."""
+        return forward_backward(forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks],
+                                model=chunks, num_microbatches=m, seq_length=shape.seq,
+                                micro_batch_size=shape.micro_batch)
     return run
 
 
@@ -171,7 +177,8 @@ def flop_costs(shape: GPTShape) -> Any:
         micro_batch=shape.micro_batch, experts=shape.experts, topk=shape.topk, moe_ffn=shape.expert_ffn or None))
 
 
-def megatron_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, clock: ComputeClock) -> Variant:
+def megatron_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int,
+                     clock: ComputeClock | None) -> Variant:
     """Megatron's own 1F1B, or interleaved 1F1B with two or four virtual stages per rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -188,10 +195,11 @@ def megatron_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, c
 
 
 def our_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, trace_root: Path,
-                name: str | None = None, layout: str | None = None, optimize_for: Any = None) -> Variant:
+                name: str | None = None, layout: str | None = None, optimize_for: Any = None,
+                max_activations: int | None = None) -> Variant:
     """Our DualPipeV or DualPipe through ``make_forward_backward_func``, traced for busy time;
-    ``layout`` and ``optimize_for`` as ``--dualpipe-layout`` and ``--dualpipe-optimize-order``
-    (with its stage costs) set them."""
+    ``layout``, ``optimize_for`` and ``max_activations`` as ``--dualpipe-layout``,
+    ``--dualpipe-optimize-order`` (with its stage costs) and ``--dualpipe-max-activations`` set them."""
     from megatron.core import parallel_state as ps
 
     from dualpipe_megatron.megatron.model import chunk_roles, embedding_ranks, model_config_kwargs, prepare_model
@@ -207,7 +215,8 @@ def our_variant(schedule: str, shape: GPTShape, pp: int, ep: int, m: int, trace_
     name = name or schedule
     trace_dir = trace_root / name
     options = prepare_model(chunks, DualPipeOptions(schedule=schedule, timeout=300, trace_dir=str(trace_dir),
-                                                    optimize_for=optimize_for), pp_rank, pp)
+                                                    optimize_for=optimize_for, max_activations=max_activations),
+                            pp_rank, pp)
     run = _stepper(make_forward_backward_func(options), chunks, shape, m)
     return Variant(name, run, all_params(chunks), state.activate, trace_dir=trace_dir)
 
