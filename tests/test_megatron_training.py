@@ -3,7 +3,8 @@
 All runs start from one PP=1 checkpoint and train iterations 2..7. Under dualpipev and dualpipe
 the logged ``lm loss`` must equal 1F1B's at every iteration (1e-5 relative), at P=4 and at
 P=2 x DP=2 with the distributed optimizer and overlapped grad reduce (DualPipeV there with the
-op order optimized for uniform costs); a DualPipeV checkpoint saved at iteration 4 at P=4 resumes
+op order optimized for uniform costs, and at P=4 under an activation budget below DeepSeek's
+peak); a DualPipeV checkpoint saved at iteration 4 at P=4 resumes
 under 1F1B at P=2 x DP=2 with the losses of the uninterrupted run (test_megatron_mtp.py resumes
 DualPipeV under 1F1B and 1F1B under DualPipeV at P=2). (The refusal of a distributed-optimizer state saved under another schedule
 is unit-tested in test_megatron_layout.py: resuming a distributed optimizer fails inside
@@ -32,6 +33,14 @@ EVAL_FLAGS = ["--eval-iters", "1", "--eval-interval", "3"]
 # simulated), so its equality with 1F1B covers an optimized order too.
 OPTIMIZED = {"dualpipev": ["--dualpipe-optimize-order"]}
 OPTIMIZED_LINE = re.compile(r"DualPipe op order optimized \(dualpipev, P=2, M=8\): simulated step ([0-9.]+) -> ([0-9.]+)")
+# The P=4 DualPipeV run (through the launcher) has an activation budget of 3/4 of DeepSeek's
+# peak at M=16 (DeepSeek's order peaks at 9 live stage activations on a rank), so its equality
+# with 1F1B covers a budgeted order too.
+BUDGET = 7
+BUDGETED = {"dualpipev_p4": ["--dualpipe-max-activations", str(BUDGET)]}
+BUDGET_LINE = re.compile(r"DualPipe op order optimized \(dualpipev, P=4, M=16\): simulated step [0-9.]+ -> "
+                         r"[0-9.]+, peak activations per rank \[([0-9, ]+)\] -> \[([0-9, ]+)\], "
+                         rf"activation budget {BUDGET} per rank")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +55,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                            ("dualpipe_p4", [*P4, "--pipeline-schedule", "dualpipe"])):
             save = ["--save", str(out / name), "--save-interval", "4", *EVAL_FLAGS]
             command = LAUNCH if name == "dualpipev_p4" else None
-            log = run(name, out, 4, [*start, *args, *save], command=command)
-            got[name] = losses(log)
+            log = run(name, out, 4, [*start, *args, *save, *BUDGETED.get(name, [])], command=command)
+            got[name], got[f"{name}_log"] = losses(log), log
             got[f"{name}_eval"] = eval_losses(log)
             got[f"{name}_grad_norm"] = grad_norms(log)
         for name in ("1f1b", "dualpipev", "dualpipe"):
@@ -89,6 +98,15 @@ def test_optimized_order_ran(jobs: dict) -> None:
     found = OPTIMIZED_LINE.findall(jobs["dualpipev_p2dp2_log"])
     assert len(found) == 1 and float(found[0][1]) < float(found[0][0]), found
     assert "op order optimized" not in jobs["dualpipe_p2dp2_log"]
+
+
+def test_budgeted_order_ran(jobs: dict) -> None:
+    """DeepSeek's order peaks above the budget on some rank, the order that ran on none."""
+    found = BUDGET_LINE.findall(jobs["dualpipev_p4_log"])
+    assert len(found) == 1, found
+    before, after = ([int(v) for v in peaks.split(",")] for peaks in found[0])
+    assert max(before) > BUDGET >= max(after), found
+    assert "activation budget" not in jobs["dualpipe_p4_log"]
 
 
 @pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
