@@ -8,6 +8,7 @@ from .baselines import interleaved, one_f_one_b, zb1p
 from .chimera import chimera
 from .dualpipe import dualpipe, dualpipev
 from .ir import Schedule, ScheduleError
+from .vhalf import vhalf
 from .zbv import zbv
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {
@@ -17,6 +18,7 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "zb1p": zb1p,
     "interleaved": interleaved,
     "zbv": zbv,
+    "vhalf": vhalf,
     "chimera": chimera,
 }
 
