@@ -23,6 +23,7 @@ op kind", lists what else an op kind touches). API:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Optional, Protocol, Sequence
 
@@ -176,21 +177,44 @@ class Timing(NamedTuple):
     start: list[list[Any]]  # start of every op, per rank
     finish: list[Any]  # each rank's end
     makespan: Any
+    ends: list[Any]  # each event's time (None: not made), for a resumed timing
 
 
-def timing(lists: Sequence[Sequence[TimedOp]], durations: Sequence[Any], events: int, zero: Any = 0) -> Timing:
+def timing(lists: Sequence[Sequence[TimedOp]], durations: Sequence[Any], events: int, zero: Any = 0,
+           since: Optional[tuple[Timing, int, int]] = None) -> Timing:
     """Time per-rank op lists: an op starts when its rank is free and every event it needs was
     made (plus the latency encoded on that need); it ends ``durations[op.cost]`` later.
 
     Event-driven: a rank runs until an op waits for an event not yet made, and resumes when it
     is. ``events`` is the number of event ids (:attr:`Encoder.size`); ``zero`` the start time.
+
+    ``since = (old, rank, index)`` resumes a complete timing ``old`` of lists that differ from
+    these only on ``rank`` from ``index`` on (same durations, and the changed part makes the
+    same events that any op needs): every op that started before the first changed op did
+    keeps its time, since nothing it waited for can have changed, and only the rest is run.
     """
-    end: list[Any] = [None] * events  # None: not made yet
+    ranks = len(lists)
     waiting: list[Optional[list[int]]] = [None] * events
-    cursor = [0] * len(lists)
-    free = [zero] * len(lists)
-    start = [[zero] * len(ops) for ops in lists]
-    todo = list(range(len(lists) - 1, -1, -1))
+    if since is None:
+        end: list[Any] = [None] * events  # None: not made yet
+        cursor = [0] * ranks
+        free = [zero] * ranks
+        start = [[zero] * len(ops) for ops in lists]
+    else:
+        old, changed, index = since
+        cut = old.start[changed][index] if index < len(old.start[changed]) else old.finish[changed]
+        end, cursor, free, start = list(old.ends), [0] * ranks, [zero] * ranks, []
+        for q, ops in enumerate(lists):
+            at = old.start[q]
+            c = index if q == changed else bisect_left(at, cut)
+            cursor[q] = c
+            if c:
+                free[q] = at[c - 1] + durations[ops[c - 1].cost]
+            start.append(at[:c] + [zero] * (len(ops) - c))
+            for o in ops[c:]:
+                for ev in o.makes:
+                    end[ev] = None
+    todo = [r for r in range(ranks - 1, -1, -1) if cursor[r] < len(lists[r])]
     while todo:
         r = todo.pop()
         ops, i, t, at = lists[r], cursor[r], free[r], start[r]
@@ -222,7 +246,7 @@ def timing(lists: Sequence[Sequence[TimedOp]], durations: Sequence[Any], events:
             break
         cursor[r], free[r] = i, t
     complete = all(cursor[r] == len(ops) for r, ops in enumerate(lists))
-    return Timing(complete, cursor, start, free, max(free) if free else zero)
+    return Timing(complete, cursor, start, free, max(free) if free else zero, end)
 
 
 def completion_order(run: Timing) -> list[tuple[int, int]]:

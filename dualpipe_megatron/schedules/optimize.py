@@ -19,6 +19,7 @@ than exact fractions); only the final check is exact.
 from __future__ import annotations
 
 import heapq
+import random
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
@@ -31,6 +32,8 @@ INF = float("inf")
 # Local-search evaluations per candidate scale as this many op-simulations (bounded below/above).
 _SEARCH_WORK = 400_000
 _MIN_EVALS, _MAX_EVALS = 60, 2000
+_BUILT_SEEDS = 6  # list-scheduled orders the local search starts from
+_KICK_MOVES = 3  # random moves per kick of the iterated local search
 
 
 class _Model:
@@ -69,9 +72,10 @@ class _Model:
             self.durations.append(self.duration(op))
         return got
 
-    def time(self, lists: "Lists") -> Optional[Timing]:
-        """Float timing with simulate()'s rules; None when the order is invalid (a rank stalls)."""
-        t = timing(lists, self.durations, self.encoder.size, 0.0)
+    def time(self, lists: "Lists", since: Optional[tuple[Timing, int, int]] = None) -> Optional[Timing]:
+        """Float timing with simulate()'s rules; None when the order is invalid (a rank stalls).
+        ``since``: resume a complete timing of lists that differ only from there on (:func:`timing`)."""
+        t = timing(lists, self.durations, self.encoder.size, 0.0, since)
         return t if t.complete else None
 
     def duration(self, op: Op) -> float:
@@ -107,7 +111,9 @@ class _Rule:
     by_level: bool = False  # rank F/B by the length of the work still behind them, not micro-batch
     b_first: bool = True  # with no pairing, a ready B goes before a ready F
     reserve: bool = False  # a micro-batch enters a rank only with room for all its stages there
+    spare: int = 0  # if > 0: keep room for the oldest micro-batch's later stages and idle directions, plus spare - 1
     split: bool = False  # each direction gets its own share of a rank's cap (no cross-direction stall)
+    windows: bool = False  # each stage gets a share of its rank's cap by how long its activations live
 
 
 
@@ -116,7 +122,8 @@ _RULES = (
     _Rule(pair=False, by_level=True), _Rule(pair=False, by_level=True, b_first=False),
 )
 _BUDGET_RULES = tuple(_Rule(**{**vars(r), "reserve": True, "split": split})
-                      for split in (False, True) for r in _RULES)  # tried only under a budget
+                      for split in (False, True) for r in _RULES) + tuple(
+    _Rule(**{**vars(r), "spare": 1, "windows": w}) for w in (False, True) for r in _RULES)  # tried only under a budget
 
 
 def _shares(model: _Model, caps: list[int], depth: Counter) -> Optional[dict[tuple[int, int], int]]:
@@ -140,6 +147,24 @@ def _shares(model: _Model, caps: list[int], depth: Counter) -> Optional[dict[tup
     return out
 
 
+def _windows(model: _Model, caps: list[int]) -> dict[tuple[int, int], int]:
+    """Each stage's share of its rank's cap, in proportion to how long one activation of it
+    lives (the forwards after it and the backwards down to it); at least one each."""
+    life = {}
+    for d, s in model.rank:
+        life[(d, s)] = (sum(model.F[(d, x)] for x in range(s + 1, model.stages))
+                        + sum(model.B[(d, x)] - model.W[(d, x)] for x in range(s, model.stages)) + model.W[(d, s)])
+    out = {}
+    for r in range(model.ranks):
+        mine = sorted(model.stages_on[r], key=lambda k: (-life[k], k))
+        total = sum(life[k] for k in mine)
+        for k in mine:
+            out[k] = max(1, int(caps[r] * life[k] // total))
+        for k in mine[:max(0, caps[r] - sum(out[k] for k in mine))]:
+            out[k] += 1
+    return out
+
+
 def _levels(model: _Model) -> dict[tuple[str, int, int], float]:
     """Static tail length of F and B at each stage: the work on the path from it to the end."""
     out = {}
@@ -151,8 +176,10 @@ def _levels(model: _Model) -> dict[tuple[str, int, int], float]:
     return out
 
 
-def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list[list[Op]]]:
-    """Event-driven list scheduling: micro-batches in order per stage, each rank under its cap."""
+def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
+                   follow: Optional["_Reference"] = None) -> Optional[list[list[Op]]]:
+    """Event-driven list scheduling: micro-batches in order per stage, each rank under its cap;
+    with ``follow``, ready ops are ranked by their place in that order (and paired as there)."""
     rank, per, stages, c = model.rank, model.per, model.stages, model.c
     level = _levels(model)
     f_end: dict[tuple[int, int, int], float] = {}
@@ -170,13 +197,24 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
     depth = Counter((r, d) for (d, _), r in rank.items())
     first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
     held: Counter = Counter()
+    f_left = Counter()  # F's still to run per (rank, direction)
+    for (d, _), r in rank.items():
+        f_left[(r, d)] += per
     share = _shares(model, caps, depth) if rule.split else None
     if rule.split and share is None:
         return None
+    window = _windows(model, caps) if rule.windows else None
+    live_at: Counter = Counter()  # live activations per stage
 
     def room(r: int, d: int, s: int) -> bool:
         """May an F of stage (d, s) start on rank r under its cap?"""
         need = (depth[(r, d)] if first[(d, s)] else 0) if rule.reserve else KINDS["F"].starts
+        if rule.spare:  # a banker's margin: what the oldest micro-batch may still need here
+            need += (depth[(r, d)] + rule.spare - 2 if first[(d, s)] else 0) + sum(
+                depth[(r, y)] for y in range(model.directions)
+                if y != d and held[(r, y)] == 0 and f_left[(r, y)] > 0)
+        if window is not None and live_at[(d, s)] + 1 > window[(d, s)]:
+            return False
         if share is not None:
             return held[(r, d)] + need <= share[(r, d)]
         return sum(held[(r, y)] for y in range(model.directions)) + need <= caps[r]
@@ -230,11 +268,16 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
                     blocked = True
                 else:
                     into.append((at, (d, s), m))
-        f = min(fs, key=f_key) if fs else None
-        b = min(bs, key=b_key) if bs else None
         op: Optional[Op] = None
         at = 0.0
-        if f and b and rule.pair:
+        if follow is not None:
+            op, at = follow.pick(fs, bs, pending[r], blocked or left[r] == 0)
+            fs = bs = []
+        f = min(fs, key=f_key) if fs else None
+        b = min(bs, key=b_key) if bs else None
+        if op is not None:
+            pass
+        elif f and b and rule.pair:
             op, at = FB(F(Key(*f[1], f[2])), B(Key(*b[1], b[2]), not rule.defer)), max(f[0], b[0])
         elif b and (not f or rule.b_first):
             op, at = B(Key(*b[1], b[2]), not rule.defer), b[0]
@@ -255,9 +298,11 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
         for h in halves(op):
             k, ds = h.key, (h.key.d, h.key.s)
             held[(r, k.d)] -= kind(h).frees
+            live_at[ds] += kind(h).starts - kind(h).frees
             if isinstance(h, F):
                 held[(r, k.d)] += (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
                 next_f[ds] += 1
+                f_left[(r, k.d)] -= 1
                 left[r] -= 1
                 f_end[(k.d, k.s, k.m)] = end
                 notify(ds, end)
@@ -274,6 +319,41 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule) -> Optional[list
     if any(left) or any(pending):
         return None  # a rank stalled for memory
     return out
+
+
+class _Reference:
+    """A given order's place of each op, for :func:`_list_schedule` to follow under a cap."""
+
+    def __init__(self, ops: list[list[Op]]) -> None:
+        self.pos: dict[tuple[str, Key], int] = {}
+        self.partner: dict[tuple[str, Key], tuple[str, Key]] = {}
+        self.full: dict[Key, bool] = {}
+        for rank_ops in ops:
+            for i, op in enumerate(rank_ops):
+                for h in halves(op):
+                    self.pos[(kind(h).event, h.key)] = i
+                    if isinstance(h, B):
+                        self.full[h.key] = h.w
+                if isinstance(op, FB):
+                    f, b = ("F", op.f.key), ("B", op.b.key)
+                    self.partner[f], self.partner[b] = b, f
+
+    def pick(self, fs: list, bs: list, pending: deque, blocked: bool) -> tuple[Optional[Op], float]:
+        """The ready op (F, B, W, or an F&B pair as in the reference) that comes first there."""
+        ready = {("F", Key(*x[1], x[2])): x[0] for x in fs}
+        ready.update({("B", Key(*x[1], x[2])): x[0] for x in bs})
+        if pending and (blocked or not ready or self.pos[("W", pending[0])] < min(self.pos[k] for k in ready)):
+            return W(pending.popleft()), 0.0
+        if not ready:
+            return None, 0.0
+        first = min(ready, key=lambda k: (self.pos[k], k[0]))
+        other = self.partner.get(first)
+        if other in ready:
+            f, b = (first, other) if first[0] == "F" else (other, first)
+            return FB(F(f[1]), B(b[1], self.full[b[1]])), max(ready[f], ready[b])
+        if first[0] == "F":
+            return F(first[1]), ready[first]
+        return B(first[1], self.full[first[1]]), ready[first]
 
 
 # -- local search on the critical path --------------------------------------------------------
@@ -302,16 +382,17 @@ def _critical_path(model: _Model, lists: Lists, t: Timing) -> list[tuple[int, in
 
 
 def _moves(model: _Model, ops: list[TimedOp], i: int):
-    """Changed op lists of one rank that may shorten the critical path through op ``i``."""
+    """Changed op lists of one rank that may shorten the critical path through op ``i``, each
+    with the first index at which it differs from ``ops``."""
     enc, cur = model.enc, ops[i].op
     if i > 0:
-        yield ops[:i - 1] + [ops[i], ops[i - 1]] + ops[i + 1:]
+        yield i - 1, ops[:i - 1] + [ops[i], ops[i - 1]] + ops[i + 1:]
         for k in (i - 2, i - 3):
             if k >= 0:  # push an earlier op behind this one
-                yield ops[:k] + ops[k + 1:i + 1] + [ops[k]] + ops[i + 1:]
+                yield k, ops[:k] + ops[k + 1:i + 1] + [ops[k]] + ops[i + 1:]
     if isinstance(cur, FB):
         for a, b in ((cur.f, cur.b), (cur.b, cur.f)):
-            yield ops[:i] + [enc(a), enc(b)] + ops[i + 1:]
+            yield i, ops[:i] + [enc(a), enc(b)] + ops[i + 1:]
     back = cur.b if isinstance(cur, FB) else cur
     if isinstance(back, B) and back.w:  # defer its weight grad to a W a little later
         short = B(back.key, False)
@@ -319,52 +400,90 @@ def _moves(model: _Model, ops: list[TimedOp], i: int):
         rest, w = ops[i + 1:], enc(W(back.key))
         for at in sorted({0, 1, 2, 4, len(rest)}):
             if at <= len(rest):
-                yield head + rest[:at] + [w] + rest[at:]
+                yield i, head + rest[:at] + [w] + rest[at:]
     if isinstance(cur, W):
         for j in sorted({i + 2, i + 3, i + 5, len(ops)}):
             if i + 1 < j <= len(ops):
-                yield ops[:i] + ops[i + 1:j] + [ops[i]] + ops[j:]
+                yield i, ops[:i] + ops[i + 1:j] + [ops[i]] + ops[j:]
         for j in range(i - 1, -1, -1):  # or fold it back into its B
             prev = ops[j].op
             pb = prev.b if isinstance(prev, FB) else prev
             if isinstance(pb, B) and pb.key == cur.key:
                 full = B(pb.key, True)
-                yield ops[:j] + [enc(FB(prev.f, full) if isinstance(prev, FB) else full)] + ops[j + 1:i] + ops[i + 1:]
+                yield j, ops[:j] + [enc(FB(prev.f, full) if isinstance(prev, FB) else full)] + ops[j + 1:i] + ops[i + 1:]
                 break
     for j in (i - 1, i + 1):  # pair it with a neighbour
         if 0 <= j < len(ops):
             lo = min(i, j)
             a, b = ops[lo].op, ops[lo + 1].op
             if isinstance(a, F) and isinstance(b, B):
-                yield ops[:lo] + [enc(FB(a, b))] + ops[lo + 2:]
+                yield lo, ops[:lo] + [enc(FB(a, b))] + ops[lo + 2:]
             elif isinstance(a, B) and isinstance(b, F):
-                yield ops[:lo] + [enc(FB(b, a))] + ops[lo + 2:]
+                yield lo, ops[:lo] + [enc(FB(b, a))] + ops[lo + 2:]
 
 
-def _local_search(model: _Model, lists: Lists, caps: list[int], budget: int) -> tuple[Lists, Timing]:
-    """First-improvement descent over :func:`_moves` along the critical path."""
-    t = model.time(lists)
-    assert t is not None
+def _descend(model: _Model, lists: Lists, t: Timing, caps: list[int], budget: int) -> tuple[Lists, Timing, int]:
+    """First-improvement descent over :func:`_moves` along the critical path; evaluations used."""
     best = _score(t)
     evals, improved = 0, True
     while improved and evals < budget:
         improved = False
         for r, i in _critical_path(model, lists, t):
-            for changed in _moves(model, lists[r], i):
+            for at, changed in _moves(model, lists[r], i):
                 if peak(changed) > caps[r]:
                     continue
                 evals += 1
                 old, lists[r] = lists[r], changed
-                trial = model.time(lists)
+                trial = model.time(lists, (t, r, at))
                 if trial is not None and _score(trial) < best:
                     t, best, improved = trial, _score(trial), True
                     break
                 lists[r] = old
                 if evals >= budget:
-                    return lists, t
+                    return lists, t, evals
             if improved:
                 break
-    return lists, t
+    return lists, t, evals
+
+
+def _kick(model: _Model, lists: Lists, caps: list[int], rng: random.Random, tries: int) -> tuple[Lists, int]:
+    """A few random valid moves anywhere (not only on the critical path), to leave a local optimum."""
+    out, used = [list(o) for o in lists], 0
+    for _ in range(_KICK_MOVES):
+        for _ in range(tries):
+            r = rng.randrange(len(out))
+            if not out[r]:
+                continue
+            moves = [m for _, m in _moves(model, out[r], rng.randrange(len(out[r]))) if peak(m) <= caps[r]]
+            if not moves:
+                continue
+            old, out[r] = out[r], rng.choice(moves)
+            used += 1
+            if model.time(out) is not None:
+                break
+            out[r] = old
+    return out, used
+
+
+def _local_search(model: _Model, lists: Lists, caps: list[int], budget: int) -> tuple[Lists, Timing]:
+    """Iterated local search: descend, and while evaluations are left kick the best order found
+    and descend again; the random moves come from a fixed seed, so the result is deterministic."""
+    t = model.time(lists)
+    assert t is not None
+    lists, t, evals = _descend(model, lists, t, caps, budget)
+    best, best_t = [list(o) for o in lists], t
+    rng = random.Random(0)
+    while evals < budget:
+        trial, used = _kick(model, best, caps, rng, tries=4)
+        evals += used
+        tt = model.time(trial)
+        if tt is None:
+            continue
+        trial, tt, used = _descend(model, trial, tt, caps, budget - evals)
+        evals += used + 1
+        if _score(tt) < _score(best_t):
+            best, best_t = [list(o) for o in trial], tt
+    return best, best_t
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -399,25 +518,36 @@ def _sequential(model: _Model) -> list[list[Op]]:
 
 
 def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
-            rules: tuple[_Rule, ...] = _RULES) -> list[tuple[tuple[float, float], Lists]]:
-    """Local search (``budget`` evaluations each) from each seed and from the best order the
-    list scheduler builds under ``caps`` by any of ``rules``."""
-    seeds = list(seeds)
-    built: list[tuple[tuple[float, float], Lists]] = []
+            rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], Lists]]:
+    """Local search from each seed and from the best orders the list scheduler builds under
+    ``caps`` by any of ``rules`` (and following each order in ``follow``), by successive
+    halving: every start gets a short search (``budget // 4`` evaluations), the best half of
+    them a longer one, and so on until one is left (``budget`` evaluations in the last
+    round), so that no start is judged by its list-scheduled length alone."""
+    built: list[tuple[tuple[float, float], int, Lists]] = []
+    admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
-        order = _list_schedule(model, caps, rule)
+        admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows), rule)
+    for rule, ref in [(rule, None) for rule in rules] + [(rule, ref) for ref in follow for rule in admits.values()]:
+        order = _list_schedule(model, caps, rule, ref)
         if order is None:
             continue
         lists = [[model.enc(op) for op in ops] for ops in order]
         t = model.time(lists)
         if t is not None and all(peak(o) <= cap for o, cap in zip(lists, caps)):
-            built.append((_score(t), lists))
-    if built:
-        seeds.append(min(built, key=lambda x: x[0])[1])
-    found = []
-    for seed in seeds:
-        lists, t = _local_search(model, [list(o) for o in seed], caps, budget)
-        found.append((_score(t), lists))
+            built.append((_score(t), len(built), lists))
+    starts = list(seeds) + [lists for _, _, lists in sorted(built)[:_BUILT_SEEDS]]
+    found: list[tuple[tuple[float, float], Lists]] = []
+    share = max(1, budget // 4)
+    while starts:
+        ranked = []
+        for lists in starts:
+            lists, t = _local_search(model, [list(o) for o in lists], caps, share)
+            ranked.append((_score(t), len(ranked), lists))
+        ranked.sort()
+        found += [(score, lists) for score, _, lists in ranked]
+        starts = [lists for _, _, lists in ranked[:len(ranked) // 2]]
+        share = min(budget, 2 * share)
     return found
 
 
@@ -444,9 +574,10 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     found = _search(model, own, [base_lists], budget) if fits else []
     caps = own if max_activations is None else [max_activations] * sched.ranks
     if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
-        seed = sched.ops if fits else _sequential(model)
         rules = _RULES + tuple(r for r in _BUDGET_RULES if not r.split or sched.directions > 1)
-        found += _search(model, caps, [[[model.enc(op) for op in ops] for ops in seed]], budget, rules)
+        found += _search(model, caps, [base_lists] if fits else [], budget, rules, (_Reference(sched.ops),))
+        if not found:
+            found = _search(model, caps, [[[model.enc(op) for op in ops] for ops in _sequential(model)]], budget)
     ranked = [(score, i, lists) for i, (score, lists) in enumerate(found)]
     for score, _, lists in sorted(ranked, key=lambda x: (x[0], x[1])):
         if fits and score[0] >= float(base.makespan):
