@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import fields, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Sequence
 
@@ -129,6 +130,16 @@ def _chunks(text: str) -> tuple[int, ...]:
     return values
 
 
+def _budgets(text: str) -> tuple[Fraction, ...]:
+    try:
+        values = tuple(Fraction(v) for v in text.split(","))
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"expected fractions of the peak like 1,0.75,0.5, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"budgets must be positive fractions of the peak, got {text}")
+    return values
+
+
 def _placement(args: argparse.Namespace, target: ModelShape, times: StageTimes,
                chunk: ChunkCount) -> tuple[Placement, str]:
     if args.stage_costs:
@@ -159,7 +170,7 @@ def cmd_project(args: argparse.Namespace) -> None:
     placement, described = _placement(args, target, times, chunk)
     realistic = isinstance(placement, Realistic)
     table = rows(project(placement, args.ranks, args.microbatches,
-                         variants(args.chunks, auto_layout=realistic)), chunk,
+                         variants(args.chunks, auto_layout=realistic, budgets=args.budgets)), chunk,
                  args.microbatches * target.tokens / args.ranks)
     print(inputs_text(target, times, net, args.ranks, args.microbatches, args.chunks,
                       args.overlap_loss, described))
@@ -221,6 +232,10 @@ def make_parser() -> argparse.ArgumentParser:
                      help="micro-batches per step, all schedules (DualPipe: half per direction)")
     job.add_argument("--chunks", type=_chunks, default=(2, 4),
                      help="interleaved chunks per rank, one row pair each (default 2,4)")
+    job.add_argument("--budgets", type=_budgets, default=(), metavar="F,F,...",
+                     help="also DualPipeV with the op-order optimizer under activation budgets, one "
+                          "row each: K = ceil(F x DeepSeek's order's largest per-rank peak of live "
+                          "(d,s,m)), raised to the minimum any order needs (e.g. 1,0.75,0.5)")
     job.add_argument("--ep", type=positive_int, default=None,
                      help=f"expert parallel (default {DEEPSEEK_V3.ep})")
     job.add_argument("--layers-per-rank", type=positive_int, default=DEEPSEEK_V3_STAGE.num_layers,

@@ -8,12 +8,14 @@ model, a stage-cost file, or the whole model layer by layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
+from ..schedules.events import peak_live_activations
 from ..schedules.ir import B, F, FB, Schedule, ScheduleError
-from ..schedules.optimize import optimize_order
+from ..schedules.optimize import min_activations, optimize_order
 from ..schedules.registry import build_schedule
 from ..schedules.simulate import SimResult, simulate
 from .placement import Placement, weighted_peak
@@ -30,11 +32,15 @@ class Variant:
     chunks: int | None = None  # interleaved: chunks per rank
     auto_layout: bool = False  # layers per stage from the layout search (realistic placement)
     optimize: bool = False  # op order from the optimizer, for the placement's stage costs
+    budget: Fraction | None = None  # optimize within this fraction of DeepSeek's order's peak
 
 
-def variants(chunks: Sequence[int] = (2, 4), auto_layout: bool = False) -> list[Variant]:
+def variants(chunks: Sequence[int] = (2, 4), auto_layout: bool = False,
+             budgets: Sequence[Fraction] = ()) -> list[Variant]:
     """The projected rows: Megatron's schedules, the anchors and ours; with ``auto_layout``,
-    DualPipe(V) also with the layout search, then with the op-order optimizer on top."""
+    DualPipe(V) also with the layout search, then with the op-order optimizer on top; one
+    DualPipeV row per activation budget in ``budgets`` (fractions of DeepSeek's order's
+    peak of live (d,s,m) per rank, the optimizer's ``max_activations`` unit)."""
     out = [Variant("1f1b", "1f1b", False)]
     for v in chunks:
         out += [Variant(f"interleaved-{v}", "interleaved", False, chunks=v),
@@ -43,7 +49,7 @@ def variants(chunks: Sequence[int] = (2, 4), auto_layout: bool = False) -> list[
             out.append(Variant(f"interleaved-{v}+a2a auto", "interleaved", True, megatron_pairs=True,
                                chunks=v, auto_layout=True))
     out += [Variant("zb1p", "zb1p", False), Variant("zbv", "zbv", False),
-            Variant("chimera", "chimera", False)]
+            Variant("vhalf", "vhalf", False), Variant("chimera", "chimera", False)]
     for name in ("dualpipe", "dualpipev"):
         out.append(Variant(name, name, True))
         if auto_layout:
@@ -51,6 +57,9 @@ def variants(chunks: Sequence[int] = (2, 4), auto_layout: bool = False) -> list[
                     Variant(f"{name} auto+opt", name, True, auto_layout=True, optimize=True)]
         else:
             out.append(Variant(f"{name}+opt", name, True, optimize=True))
+    opt = "dualpipev auto+opt" if auto_layout else "dualpipev+opt"
+    out += [Variant(f"{opt} budget {b}", "dualpipev", True, auto_layout=auto_layout, optimize=True,
+                    budget=b) for b in budgets]
     return out
 
 
@@ -90,6 +99,18 @@ class Projection:
     params_stages: Fraction  # most parameters on a rank, in 1/P stages
     exposed_a2a_ms: float | None  # most all-to-all time left exposed on any rank
     layout: str | None = None  # layers per stage, as a Megatron layout string
+    peak_live: int = 0  # most live (d,s,m) on a rank, unweighted (the budget's unit)
+    max_activations: int | None = None  # the budget the order was optimized within
+    clamped: bool = False  # the budget's fraction fell below the minimum any order needs
+
+
+def activation_budget(sched: Schedule, fraction: Fraction) -> tuple[int, bool]:
+    """``ceil(fraction x`` the peak of ``sched``'s own order), raised to the minimum any order
+    needs (:func:`~..schedules.optimize.min_activations`); and whether it was raised."""
+    peak = max(peak_live_activations(ops) for ops in sched.ops)
+    want = math.ceil(fraction * peak)
+    floor = min_activations(sched)
+    return max(want, floor), want < floor
 
 
 def build_variant(v: Variant, ranks: int, microbatches: int) -> Schedule:
@@ -105,8 +126,9 @@ def project(placement: Placement, ranks: int, microbatches: int,
         try:
             sched = build_variant(v, ranks, microbatches)
             plan = placement.plan(sched, v.overlap, v.auto_layout)
+            budget, clamped = activation_budget(sched, v.budget) if v.budget is not None else (None, False)
             if v.optimize:
-                sched = optimize_order(sched, plan.costs)
+                sched = optimize_order(sched, plan.costs, max_activations=budget)
         except ScheduleError as exc:
             out.append(ScheduleError(f"{v.label}: {exc}"))
             continue
@@ -116,9 +138,10 @@ def project(placement: Placement, ranks: int, microbatches: int,
                      for r in range(ranks))
         exposed = (max(sum(plan.exposed(op) for op in ops) for ops in sched.ops)
                    if plan.exposed else None)
-        out.append(Projection(v, res, peak, params, exposed, plan.layout))
+        live = max(peak_live_activations(ops) for ops in sched.ops)
+        out.append(Projection(v, res, peak, params, exposed, plan.layout, live, budget, clamped))
     return out
 
 
-__all__ = ["Projection", "VARIANTS", "Variant", "build_variant", "megatron_combined_1f1b",
-           "project", "variants"]
+__all__ = ["Projection", "VARIANTS", "Variant", "activation_budget", "build_variant",
+           "megatron_combined_1f1b", "project", "variants"]

@@ -47,6 +47,10 @@ ASSUMPTIONS = [
     "activation recompute and FP8 activation caches (DeepSeek-V3 uses both) are left out, so "
     "the figure is an upper bound; params: one EP rank's share of the layers, no embeddings, "
     "no optimizer state.",
+    "Budget rows ('dualpipev ... budget f', --budgets): DualPipeV's order from the op-order "
+    "optimizer with every rank's peak of live (d,s,m) at most K = ceil(f x DeepSeek's order's "
+    "largest per-rank peak), raised to the minimum any order needs; K counts stages (peak live "
+    "column), the GiB column weighs each by its stage's saved bytes.",
 ]
 
 REALISTIC = [
@@ -57,7 +61,7 @@ REALISTIC = [
     "compute times the measured F-then-B ratio) and its all-to-all A cost max(C, A) + overlap "
     "loss x min(C, A); the layout search and the op-order optimizer use the linear form "
     "C + loss x A, exact for every pair whose compute exceeds its all-to-all.",
-    "Layouts: Megatron's schedules (1f1b, interleaved, zb1p) and zbv, chimera, plain "
+    "Layouts: Megatron's schedules (1f1b, interleaved, zb1p) and zbv, vhalf, chimera, plain "
     "dualpipe(v) split as --account-for-embedding-in-pipeline-split "
     "--account-for-loss-in-pipeline-split does (embedding and loss one layer each; when the "
     "count does not divide, the middle stages take the extra layers); 'auto' rows use the "
@@ -96,15 +100,26 @@ def rows(results: list[Projection | ScheduleError], chunk: ChunkCount,
             "exposed_a2a_ms": r.exposed_a2a_ms,
             "peak_activations_stages": float(peak),
             "peak_activations_gib": float(peak) * chunk.saved_bytes / GIB,
+            "peak_live_activations": r.peak_live,
+            "max_activations": r.max_activations,
+            "budget_clamped": r.clamped,
             "params_per_rank": float(r.params_stages) * chunk.params,
             "layout": r.layout,
         })
     return out
 
 
+def _label(row: dict[str, Any]) -> str:
+    """The schedule's name, with the budget it was optimized within (K live (d,s,m) per rank)."""
+    if row["max_activations"] is None:
+        return row["schedule"]
+    raised = ", raised to the minimum" if row["budget_clamped"] else ""
+    return f"{row['schedule']} (K={row['max_activations']}{raised})"
+
+
 def markdown(table: list[dict[str, Any]]) -> str:
     header = ["schedule", "stages", "step (ms)", "tokens/s/GPU", "vs 1F1B", "bubble ratio",
-              "max bubble (ms)", "exposed A2A (ms)", "peak act. (1/P stages)",
+              "max bubble (ms)", "exposed A2A (ms)", "peak live (d,s,m)", "peak act. (1/P stages)",
               "peak act. (GiB, no recompute, bf16)", "params/rank (B)"]
     lines = []
     for row in table:
@@ -112,12 +127,12 @@ def markdown(table: list[dict[str, Any]]) -> str:
             lines.append(["n/a: " + row["error"]] + ["-"] * (len(header) - 1))
             continue
         lines.append([
-            row["schedule"], str(row["stages"]), _ms(row["step_ms"]),
+            _label(row), str(row["stages"]), _ms(row["step_ms"]),
             f"{row['tokens_per_s_per_gpu']:,.0f}",
             f"{row['vs_1f1b']:.3f}" if row["vs_1f1b"] else "-",
             f"{row['bubble_ratio']:.3f}", _ms(row["max_bubble_ms"]),
             "-" if row["exposed_a2a_ms"] is None else _ms(row["exposed_a2a_ms"]),
-            f"{row['peak_activations_stages']:.4g}",
+            str(row["peak_live_activations"]), f"{row['peak_activations_stages']:.4g}",
             f"{row['peak_activations_gib']:.1f}", f"{row['params_per_rank'] / 1e9:.2f}",
         ])
     text = markdown_table(header, lines)
