@@ -67,7 +67,7 @@ from dualpipe_megatron.trace.records import read_rank, step_schedule
 RESULTS = Path(__file__).resolve().parent / "results" / "budget_memory.json"
 SCHEDULE = "dualpipev"
 REFERENCE = "1f1b"
-TOLERANCE = 1e-6  # losses, relative to the largest: tests/megatron_dualpipe_workers.py's
+TOLERANCE = 1e-6  # each loss relative to 1F1B's (tests/megatron_dualpipe_workers.py's tolerance)
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,8 @@ def analyse(config: BudgetConfig, ranks: list[dict[str, Any]], traces: Path) -> 
     costs = flop_stage_costs(config.shape, config.pp, config.microbatches)
     ref = ranks[-1][REFERENCE]
     ref_losses, ref_grad = ref["losses"], sum(r[REFERENCE]["grad_square"] for r in ranks)
+    if not ref_losses:
+        raise RuntimeError(f"P={config.pp}: Megatron 1F1B reported no losses on the last pipeline rank")
     seconds = {name: ranks[0][name]["seconds"] for name in [REFERENCE, *names]}
     rows: list[dict[str, Any]] = [{"name": REFERENCE, "budget": None,
                                    "measured_bytes": [r[REFERENCE]["peak"] for r in ranks],
