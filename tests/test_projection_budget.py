@@ -20,8 +20,8 @@ BUDGETS = (Fraction(1), Fraction(3, 4), Fraction(1, 2), Fraction(1, 10))
 
 
 def test_budget_is_a_fraction_of_deepseeks_peak_raised_to_the_minimum() -> None:
-    sched = build_schedule("dualpipev", 4, 8)  # DeepSeek's order peaks at 2P+1 = 9 on every rank
-    assert [activation_budget(sched, b) for b in BUDGETS] == [(9, False), (7, False), (5, False), (2, True)]
+    sched = build_schedule("dualpipev", 3, 6)  # DeepSeek's order peaks at 2P+1 = 7 on every rank
+    assert [activation_budget(sched, b) for b in BUDGETS] == [(7, False), (6, False), (4, False), (2, True)]
 
 
 def test_budget_rows_stay_within_their_budget_and_report_gib() -> None:
@@ -29,12 +29,12 @@ def test_budget_rows_stay_within_their_budget_and_report_gib() -> None:
     wanted = [v for v in variants(budgets=BUDGETS[:3]) if v.label.startswith("dualpipev")]
     assert [v.label for v in wanted] == ["dualpipev", "dualpipev+opt"] + [
         f"dualpipev+opt budget {b}" for b in ("1", "3/4", "1/2")]
-    results = project(Uniform(t, 0.1, 4), 4, 8, wanted)
+    results = project(Uniform(t, 0.1, 3), 3, 6, wanted)
     chunk = ChunkCount(F=1, B=2, B_input=1, W=1, saved_bytes=3 * GIB, params=10**9)  # 3 GiB per 1/P stage
     table = {r["schedule"]: r for r in rows(results, chunk, 1.0)}
     deepseek = table["dualpipev"]
-    assert deepseek["max_activations"] is None and deepseek["peak_live_activations"] == 9
-    for b, k in zip(BUDGETS[:3], (9, 7, 5)):
+    assert deepseek["max_activations"] is None and deepseek["peak_live_activations"] == 7
+    for b, k in zip(BUDGETS[:3], (7, 6, 4)):
         row = table[f"dualpipev+opt budget {b}"]
         assert row["max_activations"] == k and not row["budget_clamped"]
         assert row["peak_live_activations"] <= k
@@ -46,15 +46,15 @@ def test_budget_rows_stay_within_their_budget_and_report_gib() -> None:
 
 def test_cli_budget_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "proj.json"
-    assert main(["project", "-P", "4", "-M", "8", "--layers-per-rank", "1", "--chunks", "2",
+    assert main(["project", "-P", "3", "-M", "6", "--layers-per-rank", "1", "--chunks", "2",
                  "--budgets", "1,0.75,0.1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| dualpipev+opt budget 3/4 (K=7) |" in text
+    assert "| dualpipev+opt budget 3/4 (K=6) |" in text
     assert "| dualpipev+opt budget 1/10 (K=2, raised to the minimum) |" in text
     assert "peak live (d,s,m)" in text and "Budget rows" in text
     got = {r["schedule"]: r for r in json.loads(out.read_text())["rows"] if r["schedule"]}
-    assert got["dualpipev+opt budget 1"]["max_activations"] == 9
-    assert got["vhalf"]["peak_live_activations"] == 6 < got["zbv"]["peak_live_activations"] == 8
+    assert got["dualpipev+opt budget 1"]["max_activations"] == 7
+    assert got["vhalf"]["peak_live_activations"] == 4 < got["zbv"]["peak_live_activations"] == 6
 
 
 @pytest.mark.parametrize("text,fragment", [("0", "budgets must be positive"), ("x", "expected fractions"),
