@@ -1,7 +1,8 @@
 """The activation budget's figures (issue 26): the optimizer against DeepSeek's order, with and
 without K = ceil(3/4 x DeepSeek's peak), on the issue's grid, in the project's simulator.
 
-Run ``.venv/bin/python bench/schedule_budget.py [--ranks 4,8,16]``; not part of ``make test``.
+Run ``.venv/bin/python bench/schedule_budget.py [--ranks 4,8,16] [--search-work N]``; not part of
+``make test``.
 Per case: DeepSeek's step and peak (the largest per-rank peak of live (d,s,m)), the optimized
 order's step and gain without a budget, and its step, peak and overhead over DeepSeek's
 step at K; MindSpeed's default beside them (DeepSeek's order with no weight-grad split in the
@@ -20,7 +21,7 @@ from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulat
 from dualpipe_megatron.schedules.cli import markdown_table, positive_ints
 from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.ir import B, FB, F, Op, W
-from dualpipe_megatron.schedules.optimize import optimize_order
+from dualpipe_megatron.schedules.optimize import SEARCH_WORK, optimize_order
 from dualpipe_megatron.schedules.simulate import StageCost, StageCosts
 
 COST_SETS = ("uniform F1 B2 W1 FB3", "uniform F1 B2 W0.5 FB2.4", "random seed 0", "random seed 1")
@@ -60,6 +61,8 @@ def top(sched: Schedule) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=positive_ints, default=(4, 8, 16))
+    parser.add_argument("--search-work", type=int, default=SEARCH_WORK,
+                        help=f"the optimizer's work bound (default {SEARCH_WORK}, as in training)")
     args = parser.parse_args()
     rows, gains, overs = [], [], []
     for name in ("dualpipev", "dualpipe"):
@@ -70,9 +73,9 @@ def main() -> None:
                     sched = build_schedule(name, p, m)
                     costs = costs_for(sched, which)
                     base, peak = simulate(sched, costs).makespan, top(sched)
-                    free = optimize_order(sched, costs)
+                    free = optimize_order(sched, costs, work=args.search_work)
                     budget = -(-3 * peak // 4)
-                    held = optimize_order(sched, costs, max_activations=budget)
+                    held = optimize_order(sched, costs, max_activations=budget, work=args.search_work)
                     mind = no_cooldown_split(sched)
                     validate(free)
                     validate(held)

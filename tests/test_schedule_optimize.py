@@ -12,7 +12,7 @@ import pytest
 from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulate, validate
 from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import ScheduleError
-from dualpipe_megatron.schedules.optimize import min_activations, optimize_order
+from dualpipe_megatron.schedules.optimize import SEARCH_WORK, min_activations, optimize_order
 from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.simulate import StageCost, StageCosts
 
@@ -158,6 +158,20 @@ def test_a_budget_above_the_peak_is_never_slower(name: str, setting: str) -> Non
         assert max(peak_live_activations(ops) for ops in out.ops) <= budget
 
 
+def test_more_search_work_finds_a_faster_order_within_the_budget() -> None:
+    """The work bound is the search's only limit: four times the default finds a shorter order
+    under the same budget here (DualPipeV, P=4, M=8, F&B 0.8 of F+B), deterministically."""
+    sched = build_schedule("dualpipev", 4, 8)
+    costs = stage_costs(sched, "b")
+    budget = -(-3 * deepseek_peak(sched) // 4)
+    default = optimize_order(sched, costs, max_activations=budget)
+    more = optimize_order(sched, costs, max_activations=budget, work=4 * SEARCH_WORK)
+    assert max(peak_live_activations(ops) for ops in more.ops) <= budget
+    assert simulate(more, costs).makespan < simulate(default, costs).makespan
+    with pytest.raises(ScheduleError, match="search work must be positive"):
+        optimize_order(sched, costs, work=0)
+
+
 def test_cli_max_activations(tmp_path, capsys) -> None:
     sched = build_schedule("dualpipev", 4, 8)
     path = tmp_path / "costs.json"
@@ -174,3 +188,7 @@ def test_cli_max_activations(tmp_path, capsys) -> None:
         assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
     assert main(argv[:7] + ["--max-activations", "5"]) == 2
     assert "needs --optimize" in capsys.readouterr().err
+    assert main(argv + ["--max-activations", "5", "--search-work", "800000"]) == 0
+    validate(Schedule.from_json_obj(json.loads(capsys.readouterr().out)))
+    assert main(argv[:7] + ["--search-work", "800000"]) == 2
+    assert "--search-work needs --optimize" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from .ir import Schedule, ScheduleError
 from .lower import schedule_json
+from .optimize import SEARCH_WORK, optimize_order
 from .registry import GENERATORS, build_schedule
 from .simulate import AnyCosts, Costs, SimResult, StageCosts, simulate
 
@@ -135,12 +136,11 @@ def _result_json(res: SimResult) -> dict:
 
 def cmd_dump(args: argparse.Namespace) -> None:
     sched = _schedule(args)
-    if args.max_activations is not None and not args.optimize:
-        raise ScheduleError("--max-activations needs --optimize")
+    for given, flag in ((args.max_activations, "--max-activations"), (args.search_work, "--search-work")):
+        if given is not None and not args.optimize:
+            raise ScheduleError(f"{flag} needs --optimize")
     if args.optimize:
-        from .optimize import optimize_order
-
-        sched = optimize_order(sched, _costs(args), args.max_activations)
+        sched = optimize_order(sched, _costs(args), args.max_activations, args.search_work or SEARCH_WORK)
     print(sched.to_json() if args.no_programs else json.dumps(schedule_json(sched, args.forward_only)))
 
 
@@ -231,6 +231,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-activations", metavar="K", type=positive_int, default=None,
                    help="with --optimize: the fastest order found with at most K live activations "
                         "((direction, stage, micro-batch) units) on every rank, even if slower than the input")
+    p.add_argument("--search-work", metavar="N", type=positive_int, default=None,
+                   help=f"with --optimize: the search's work bound in op-simulations (default {SEARCH_WORK}); "
+                        "more finds better orders, in proportion slower")
     p.add_argument("--forward-only", action="store_true",
                    help="lower the per-rank programs ('programs') for a forward-only step (default: training)")
     p.add_argument("--no-programs", action="store_true",

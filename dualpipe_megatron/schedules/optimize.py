@@ -2,18 +2,22 @@
 
 DeepSeek's DualPipe/DualPipeV order is fixed by hand for one cost shape. Given the real
 per-stage costs, :func:`optimize_order` searches for a better order within the same
-placement and micro-batches: it builds candidates with a memory-capped list scheduler
-(several priority rules), improves them and the input by a local search on the critical
-path (swap, split or pair F&B, defer or move weight grads), and returns the best one that
-the exact :func:`~.simulate.simulate` confirms to be no longer than the input, with no
-rank's peak live activations above that rank's peak in the input. With an activation budget
-K (``max_activations``) every rank's cap is K instead, and the result is the fastest order
-found within it, slower than the input if the input does not fit; the list scheduler then
-also tries rules that never stall for memory (a micro-batch enters a rank only with room for
-all its stages there; DualPipe's directions each get a share of the cap), and the
-one-micro-batch-at-a-time order, which meets the minimum (:func:`min_activations`), seeds
-the search when the input does not fit. The search times schedules with floats (much faster
-than exact fractions); only the final check is exact.
+placement and micro-batches. It builds candidates with a memory-capped list scheduler
+(several priority rules), then improves the input and the best candidates by an iterated
+local search on the critical path (swap, split or pair F&B, defer or move weight grads; when
+it stalls, a few seeded random moves and again), spending its work by successive halving over
+those starts. It returns the best order that the exact :func:`~.simulate.simulate` confirms to
+be no longer than the input, with no rank's peak live activations above that rank's peak in
+the input. With an activation budget K (``max_activations``) every rank's cap is K instead,
+and the result is the fastest order found within it, slower than the input if the input does
+not fit; the list scheduler then also tries admission rules that cannot stall for memory (a
+micro-batch enters a rank only with room for all its stages there, or with a banker's margin
+for the oldest micro-batch; DualPipe's directions each get a share of the cap; each stage a
+window by how long its activations live), and orders that follow the input's op ranks and
+pairs under the cap. The one-micro-batch-at-a-time order, which meets the minimum
+(:func:`min_activations`), is the fallback start. The search is bounded by work, not time, and
+deterministic; it times schedules with floats, re-timing only what follows a move
+(:func:`~.events.timing`'s ``since``), and only the final check is exact.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from .ir import B, F, FB, Key, Op, Schedule, ScheduleError, W, halves
 from .simulate import AnyCosts, StageCosts, simulate
 
 INF = float("inf")
-# Local-search evaluations per candidate scale as this many op-simulations (bounded below/above).
-_SEARCH_WORK = 400_000
+# The default work bound: local-search evaluations per start scale as this many op-simulations
+# (bounded below, and above by _MAX_EVALS per SEARCH_WORK of work).
+SEARCH_WORK = 400_000
 _MIN_EVALS, _MAX_EVALS = 60, 2000
 _BUILT_SEEDS = 6  # list-scheduled orders the local search starts from
 _KICK_MOVES = 3  # random moves per kick of the iterated local search
@@ -551,7 +556,8 @@ def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
     return found
 
 
-def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[int] = None) -> Schedule:
+def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[int] = None,
+                   work: int = SEARCH_WORK) -> Schedule:
     """A reordering of ``sched`` (same placement and micro-batches); deterministic.
 
     Without ``max_activations`` it is never slower under ``costs`` and never raises any rank's
@@ -559,6 +565,10 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     (d,s,m) units, :func:`~.events.peak_live_activations`), and the order is the fastest found
     under that budget: never slower than the input (nor than no budget) when the input fits,
     possibly slower when it does not. A budget below :func:`min_activations` raises.
+
+    ``work`` bounds the search in op-simulations (not seconds, so every rank finds the same
+    order); more work finds better orders, slower: ten times the default takes about ten
+    times as long.
     """
     if max_activations is not None and max_activations < min_activations(sched):
         raise ScheduleError(
@@ -567,7 +577,9 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     model = _Model(sched, costs)
     base_lists = [[model.enc(op) for op in ops] for ops in sched.ops]
     n_ops = sum(map(len, base_lists))
-    budget = max(_MIN_EVALS, min(_MAX_EVALS, _SEARCH_WORK // max(1, n_ops)))
+    if work < 1:
+        raise ScheduleError(f"search work must be positive, got {work}")
+    budget = max(_MIN_EVALS, min(_MAX_EVALS * work // SEARCH_WORK, work // max(1, n_ops)))
     own = [peak_live_activations(ops) for ops in sched.ops]
     base = simulate(sched, costs)
     fits = max_activations is None or max(own, default=0) <= max_activations
