@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .ir import B, F, Op, Schedule, ScheduleError, W
-from .zbv import list_order
+from .zbv import list_order, v_placement, v_priority
 
 
 def vhalf_cap(ranks: int) -> int:
@@ -35,16 +35,9 @@ def vhalf(ranks: int, microbatches: int) -> Schedule:
         raise ScheduleError(f"vhalf needs at least 1 rank, got {ranks}")
     if microbatches < 1:
         raise ScheduleError(f"vhalf needs at least 1 micro-batch, got {microbatches}")
-    stages, cap = 2 * ranks, vhalf_cap(ranks)
-    placement = {(0, s): (s if s < ranks else stages - 1 - s) for s in range(stages)}
-    shape = Schedule("vhalf", ranks, stages, microbatches, 1, [[] for _ in range(ranks)], placement)
-
-    def order(op: Op) -> int:
-        """F on the second stage, F on the first, B on the first, B on the second, W (ZB-V's)."""
-        if isinstance(op, W):
-            return 4
-        second = op.key.s >= ranks
-        return (0 if second else 1) if isinstance(op, F) else (3 if second else 2)
+    cap = vhalf_cap(ranks)
+    shape = Schedule("vhalf", ranks, 2 * ranks, microbatches, 1, [[] for _ in range(ranks)], v_placement(ranks))
+    order = v_priority(ranks)
 
     def pick(rank: int, candidates: list[Op], live: Counter) -> Op | None:
         first = live[0, rank]

@@ -89,6 +89,22 @@ def list_order(shape: Schedule, ticks: dict[type, int], split_w: bool, pick: Pic
     return shape
 
 
+def v_placement(ranks: int) -> dict[tuple[int, int], int]:
+    """The V: ``2P`` stages of one direction, rank ``r`` holding stages ``r`` and ``2P-1-r``."""
+    return {(0, s): (s if s < ranks else 2 * ranks - 1 - s) for s in range(2 * ranks)}
+
+
+def v_priority(ranks: int) -> Callable[[Op], int]:
+    """ZB-V's priority among a rank's ready ops: F on the second stage, F on the first, B on the
+    first, B on the second, W."""
+    def order(op: Op) -> int:
+        if isinstance(op, W):
+            return 4
+        second = op.key.s >= ranks
+        return (0 if second else 1) if isinstance(op, F) else (3 if second else 2)
+    return order
+
+
 def zbv(ranks: int, microbatches: int) -> Schedule:
     """ZB-V: ``P`` ranks, ``2P`` stages in a V, B/W split, peak ``2P`` stage activations per rank."""
     if ranks < 1:
@@ -99,15 +115,8 @@ def zbv(ranks: int, microbatches: int) -> Schedule:
             f"up with 2P-1 forwards before its first backward, as DualPipeV does"
         )
     stages = 2 * ranks
-    placement = {(0, s): (s if s < ranks else stages - 1 - s) for s in range(stages)}
-    shape = Schedule("zbv", ranks, stages, microbatches, 1, [[] for _ in range(ranks)], placement)
-
-    def order(op: Op) -> int:
-        """F on the second stage, F on the first, B on the first, B on the second, W."""
-        if isinstance(op, W):
-            return 4
-        second = op.key.s >= ranks
-        return (0 if second else 1) if isinstance(op, F) else (3 if second else 2)
+    shape = Schedule("zbv", ranks, stages, microbatches, 1, [[] for _ in range(ranks)], v_placement(ranks))
+    order = v_priority(ranks)
 
     def pick(rank: int, candidates: list[Op], live: Counter) -> Op | None:
         if sum(live.values()) >= stages:  # 2P live stage activations: forwards wait
