@@ -178,6 +178,7 @@ class Timing(NamedTuple):
     finish: list[Any]  # each rank's end
     makespan: Any
     ends: list[Any]  # each event's time (None: not made), for a resumed timing
+    timed: int  # ops this call timed (all of them, or those after the resume point)
 
 
 def timing(lists: Sequence[Sequence[TimedOp]], durations: Sequence[Any], events: int, zero: Any = 0,
@@ -214,6 +215,7 @@ def timing(lists: Sequence[Sequence[TimedOp]], durations: Sequence[Any], events:
             for o in ops[c:]:
                 for ev in o.makes:
                     end[ev] = None
+    begin = sum(cursor)
     todo = [r for r in range(ranks - 1, -1, -1) if cursor[r] < len(lists[r])]
     while todo:
         r = todo.pop()
@@ -246,7 +248,7 @@ def timing(lists: Sequence[Sequence[TimedOp]], durations: Sequence[Any], events:
             break
         cursor[r], free[r] = i, t
     complete = all(cursor[r] == len(ops) for r, ops in enumerate(lists))
-    return Timing(complete, cursor, start, free, max(free) if free else zero, end)
+    return Timing(complete, cursor, start, free, max(free) if free else zero, end, sum(cursor) - begin)
 
 
 def completion_order(run: Timing) -> list[tuple[int, int]]:

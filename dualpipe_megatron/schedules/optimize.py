@@ -68,6 +68,7 @@ class _Model:
         self.encoder = Encoder(sched)
         self.durations: list[float] = []
         self._cache: dict[Op, TimedOp] = {}
+        self.spent = 0  # ops timed so far: the search's work
 
     def enc(self, op: Op) -> TimedOp:
         """The op's events and cost, its dependencies by the events core's rules."""
@@ -81,6 +82,7 @@ class _Model:
         """Float timing with simulate()'s rules; None when the order is invalid (a rank stalls).
         ``since``: resume a complete timing of lists that differ only from there on (:func:`timing`)."""
         t = timing(lists, self.durations, self.encoder.size, 0.0, since)
+        self.spent += max(1, t.timed)  # always progress, so a search ends
         return t if t.complete else None
 
     def duration(self, op: Op) -> float:
@@ -427,33 +429,33 @@ def _moves(model: _Model, ops: list[TimedOp], i: int):
                 yield lo, ops[:lo] + [enc(FB(b, a))] + ops[lo + 2:]
 
 
-def _descend(model: _Model, lists: Lists, t: Timing, caps: list[int], budget: int) -> tuple[Lists, Timing, int]:
-    """First-improvement descent over :func:`_moves` along the critical path; evaluations used."""
+def _descend(model: _Model, lists: Lists, t: Timing, caps: list[int], until: int) -> tuple[Lists, Timing]:
+    """First-improvement descent over :func:`_moves` along the critical path, until the model
+    has spent ``until`` op-simulations."""
     best = _score(t)
-    evals, improved = 0, True
-    while improved and evals < budget:
+    improved = True
+    while improved and model.spent < until:
         improved = False
         for r, i in _critical_path(model, lists, t):
             for at, changed in _moves(model, lists[r], i):
                 if peak(changed) > caps[r]:
                     continue
-                evals += 1
                 old, lists[r] = lists[r], changed
                 trial = model.time(lists, (t, r, at))
                 if trial is not None and _score(trial) < best:
                     t, best, improved = trial, _score(trial), True
                     break
                 lists[r] = old
-                if evals >= budget:
-                    return lists, t, evals
+                if model.spent >= until:
+                    return lists, t
             if improved:
                 break
-    return lists, t, evals
+    return lists, t
 
 
-def _kick(model: _Model, lists: Lists, caps: list[int], rng: random.Random, tries: int) -> tuple[Lists, int]:
+def _kick(model: _Model, lists: Lists, caps: list[int], rng: random.Random, tries: int) -> Lists:
     """A few random valid moves anywhere (not only on the critical path), to leave a local optimum."""
-    out, used = [list(o) for o in lists], 0
+    out = [list(o) for o in lists]
     for _ in range(_KICK_MOVES):
         for _ in range(tries):
             r = rng.randrange(len(out))
@@ -463,29 +465,28 @@ def _kick(model: _Model, lists: Lists, caps: list[int], rng: random.Random, trie
             if not moves:
                 continue
             old, out[r] = out[r], rng.choice(moves)
-            used += 1
             if model.time(out) is not None:
                 break
             out[r] = old
-    return out, used
+    return out
 
 
-def _local_search(model: _Model, lists: Lists, caps: list[int], budget: int) -> tuple[Lists, Timing]:
-    """Iterated local search: descend, and while evaluations are left kick the best order found
-    and descend again; the random moves come from a fixed seed, so the result is deterministic."""
+def _local_search(model: _Model, lists: Lists, caps: list[int], work: int) -> tuple[Lists, Timing]:
+    """Iterated local search within ``work`` op-simulations: descend, and while work is left
+    kick the best order found and descend again; the random moves come from a fixed seed, so
+    the result is deterministic."""
+    until = model.spent + work
     t = model.time(lists)
     assert t is not None
-    lists, t, evals = _descend(model, lists, t, caps, budget)
+    lists, t = _descend(model, lists, t, caps, until)
     best, best_t = [list(o) for o in lists], t
     rng = random.Random(0)
-    while evals < budget:
-        trial, used = _kick(model, best, caps, rng, tries=4)
-        evals += used
+    while model.spent < until:
+        trial = _kick(model, best, caps, rng, tries=4)
         tt = model.time(trial)
         if tt is None:
             continue
-        trial, tt, used = _descend(model, trial, tt, caps, budget - evals)
-        evals += used + 1
+        trial, tt = _descend(model, trial, tt, caps, until)
         if _score(tt) < _score(best_t):
             best, best_t = [list(o) for o in trial], tt
     return best, best_t
@@ -526,9 +527,9 @@ def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
             rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], Lists]]:
     """Local search from each seed and from the best orders the list scheduler builds under
     ``caps`` by any of ``rules`` (and following each order in ``follow``), by successive
-    halving: every start gets a short search (``budget // 4`` evaluations), the best half of
-    them a longer one, and so on until one is left (``budget`` evaluations in the last
-    round), so that no start is judged by its list-scheduled length alone."""
+    halving: every start gets a short search (``budget // 4`` op-simulations), the best half
+    of them a longer one, and so on until one is left (``budget`` in the last round), so that
+    no start is judged by its list-scheduled length alone."""
     built: list[tuple[tuple[float, float], int, Lists]] = []
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
@@ -579,7 +580,9 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     n_ops = sum(map(len, base_lists))
     if work < 1:
         raise ScheduleError(f"search work must be positive, got {work}")
-    budget = max(_MIN_EVALS, min(_MAX_EVALS * work // SEARCH_WORK, work // max(1, n_ops)))
+    # op-simulations per start: the work, but at least _MIN_EVALS and at most _MAX_EVALS full
+    # timings' worth per SEARCH_WORK of work
+    budget = n_ops * max(_MIN_EVALS, min(_MAX_EVALS * work // SEARCH_WORK, work // max(1, n_ops)))
     own = [peak_live_activations(ops) for ops in sched.ops]
     base = simulate(sched, costs)
     fits = max_activations is None or max(own, default=0) <= max_activations
