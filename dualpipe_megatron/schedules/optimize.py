@@ -118,10 +118,9 @@ class _Rule:
     by_level: bool = False  # rank F/B by the length of the work still behind them, not micro-batch
     b_first: bool = True  # with no pairing, a ready B goes before a ready F
     reserve: bool = False  # a micro-batch enters a rank only with room for all its stages there
-    spare: int = 0  # if > 0: keep room for the oldest micro-batch's later stages and idle directions, plus spare - 1
+    spare: bool = False  # a banker's margin: room for the oldest micro-batch's later stages and idle directions
     split: bool = False  # each direction gets its own share of a rank's cap (no cross-direction stall)
     windows: bool = False  # each stage gets a share of its rank's cap by how long its activations live
-
 
 
 _RULES = (
@@ -130,7 +129,7 @@ _RULES = (
 )
 _BUDGET_RULES = tuple(_Rule(**{**vars(r), "reserve": True, "split": split})
                       for split in (False, True) for r in _RULES) + tuple(
-    _Rule(**{**vars(r), "spare": 1, "windows": w}) for w in (False, True) for r in _RULES)  # tried only under a budget
+    _Rule(**{**vars(r), "spare": True, "windows": w}) for w in (False, True) for r in _RULES)  # tried only under a budget
 
 
 def _shares(model: _Model, caps: list[int], depth: Counter) -> Optional[dict[tuple[int, int], int]]:
@@ -217,7 +216,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
         """May an F of stage (d, s) start on rank r under its cap?"""
         need = (depth[(r, d)] if first[(d, s)] else 0) if rule.reserve else KINDS["F"].starts
         if rule.spare:  # a banker's margin: what the oldest micro-batch may still need here
-            need += (depth[(r, d)] + rule.spare - 2 if first[(d, s)] else 0) + sum(
+            need += (depth[(r, d)] - 1 if first[(d, s)] else 0) + sum(
                 depth[(r, y)] for y in range(model.directions)
                 if y != d and held[(r, y)] == 0 and f_left[(r, y)] > 0)
         if window is not None and live_at[(d, s)] + 1 > window[(d, s)]:
