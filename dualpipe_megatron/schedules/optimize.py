@@ -251,6 +251,23 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
             wake[r] = max(at, clock[r])
             heapq.heappush(heap, (wake[r], r))
 
+    def by_rule(fs: list, bs: list, pending: deque, must: bool, idle: float) -> tuple[Optional[Op], float]:
+        """The rule's pick among the ready ops; with none, a deferred W if the rank ``must`` run one
+        (blocked for memory, or done with F and B) or is ``idle`` long enough before its next input."""
+        f = min(fs, key=f_key) if fs else None
+        b = min(bs, key=b_key) if bs else None
+        if f and b and rule.pair:
+            return FB(F(Key(*f[1], f[2])), B(Key(*b[1], b[2]), not rule.defer)), max(f[0], b[0])
+        if b and (not f or rule.b_first):
+            return B(Key(*b[1], b[2]), not rule.defer), b[0]
+        if f:
+            return F(Key(*f[1], f[2])), f[0]
+        if pending:
+            k = pending[0]
+            if must or idle >= rule.fill * model.W[(k.d, k.s)]:
+                return W(pending.popleft()), 0.0
+        return None, 0.0
+
     def f_key(x: tuple[float, tuple[int, int], int]) -> tuple:
         return (x[2], -level[("F",) + x[1]]) if rule.by_level else (x[2], -x[1][1])
 
@@ -274,25 +291,10 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
                     blocked = True
                 else:
                     into.append((at, (d, s), m))
-        op: Optional[Op] = None
-        at = 0.0
         if follow is not None:
             op, at = follow.pick(fs, bs, pending[r], blocked or left[r] == 0)
-            fs = bs = []
-        f = min(fs, key=f_key) if fs else None
-        b = min(bs, key=b_key) if bs else None
-        if op is not None:
-            pass
-        elif f and b and rule.pair:
-            op, at = FB(F(Key(*f[1], f[2])), B(Key(*b[1], b[2]), not rule.defer)), max(f[0], b[0])
-        elif b and (not f or rule.b_first):
-            op, at = B(Key(*b[1], b[2]), not rule.defer), b[0]
-        elif f:
-            op, at = F(Key(*f[1], f[2])), f[0]
-        elif pending[r]:
-            k = pending[r][0]
-            if blocked or left[r] == 0 or soonest - now >= rule.fill * model.W[(k.d, k.s)]:
-                op = W(pending[r].popleft())
+        else:
+            op, at = by_rule(fs, bs, pending[r], blocked or left[r] == 0, soonest - now)
         if op is None:
             wake[r] = soonest
             if soonest < INF:
