@@ -92,6 +92,17 @@ def quiet_megatron_imports() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def start_worker(rank: int, world: int, port: int) -> None:
+    """One benchmark process: Megatron's import noise off, one thread, gloo over localhost, CPU compat."""
+    quiet_megatron_imports()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))
+    from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
+
+    install_cpu_compat()
+
+
 def check(config: BenchConfig) -> None:
     """Refuse, before launching, what some schedule of the configuration cannot run."""
     from dualpipe_megatron.megatron.model import check_configuration
@@ -112,13 +123,7 @@ def check(config: BenchConfig) -> None:
 
 
 def _worker(rank: int, config: BenchConfig, port: int, out_dir: str, traces: Path) -> None:
-    quiet_megatron_imports()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=config.world, timeout=timedelta(seconds=600))
-    from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-
-    install_cpu_compat()
+    start_worker(rank, config.world, port)
     clock = ComputeClock()
     time_megatron_compute(clock)
     variants = megatron_gpt.build([*megatron_schedules(config.shape, config.pp), *OUR_SCHEDULES], config.shape,

@@ -38,7 +38,6 @@ import platform
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
 from statistics import median
@@ -48,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench_megatron import machine, quiet_megatron_imports  # bench/ modules: this script's directory is on sys.path
+from bench_megatron import machine, quiet_megatron_imports, start_worker  # bench/ modules: this script's directory is on sys.path
 from megatron_gpt import DENSE, GPTShape, flop_costs, megatron_variant, our_variant
 from op_bytes import OpBytes, per_op, stage_bytes, weighted_peak
 from ports import free_port
@@ -110,13 +109,7 @@ def _grad_square(params: list) -> float:
 
 
 def _worker(rank: int, config: BudgetConfig, port: int, out_dir: str, traces: Path) -> None:
-    quiet_megatron_imports()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=config.pp, timeout=timedelta(seconds=600))
-    from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-
-    install_cpu_compat()
+    start_worker(rank, config.pp, port)
     shape, pp, m = config.shape, config.pp, config.microbatches
     costs = flop_stage_costs(shape, pp, m)
     variants = [megatron_variant(REFERENCE, shape, pp, 1, m, None)]
