@@ -12,7 +12,8 @@ import pytest
 from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulate, validate
 from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import ScheduleError
-from dualpipe_megatron.schedules.optimize import SEARCH_WORK, min_activations, optimize_order
+from dualpipe_megatron.schedules.ir import B, FB, W
+from dualpipe_megatron.schedules.optimize import SEARCH_WORK, _split_weight_grads, min_activations, optimize_order
 from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.simulate import StageCost, StageCosts
 
@@ -71,6 +72,30 @@ def test_never_worse_and_two_percent_faster_on_average(gains: dict) -> None:
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_never_worse_at_eight_ranks(name: str, setting: str) -> None:
     check_no_worse(name, 8, 16, setting)
+
+
+def test_starts_from_deepseeks_order_with_its_weight_grads_split() -> None:
+    """Splitting every full backward into B(w=false) and its W right after keeps each rank's
+    peak and lets the B's output leave earlier: at P=8 under F&B = 0.8 (F+B) that alone is
+    2.6% faster than DeepSeek's order, and the optimizer, which starts from it, is at least as fast."""
+    sched = build_schedule("dualpipev", 8, 16)
+    costs = stage_costs(sched, "b")
+    split = Schedule("split", sched.ranks, sched.stages, sched.microbatches, sched.directions,
+                     _split_weight_grads(sched.ops), dict(sched.placement))
+    validate(split)
+    assert not any(isinstance(o, B) and o.w or isinstance(o, FB) and o.b.w for ops in split.ops for o in ops)
+    full = {(o.b if isinstance(o, FB) else o).key for ops in sched.ops for o in ops
+            if isinstance(o, B) and o.w or isinstance(o, FB) and o.b.w}
+    assert full
+    for ops in split.ops:  # each new W right after its own B
+        for i, o in enumerate(ops):
+            if isinstance(o, W) and o.key in full:
+                before = ops[i - 1].b if isinstance(ops[i - 1], FB) else ops[i - 1]
+                assert isinstance(before, B) and before.key == o.key
+    assert [peak_live_activations(o) for o in split.ops] == [peak_live_activations(o) for o in sched.ops]
+    base, faster = simulate(sched, costs).makespan, simulate(split, costs).makespan
+    assert faster < base * Fraction(98, 100)
+    assert simulate(optimize_order(sched, costs), costs).makespan <= faster
 
 
 def test_reaches_the_start_plus_busy_bound_at_unit_costs() -> None:

@@ -6,7 +6,7 @@ placement and micro-batches. It builds candidates with a memory-capped list sche
 (several priority rules), then improves the input and the best candidates by an iterated
 local search on the critical path (swap, split or pair F&B, defer or move weight grads; when
 it stalls, a few seeded random moves and again), spending its work by successive halving over
-those starts. It returns the best order that the exact :func:`~.simulate.simulate` confirms to
+those starts; the input with its full backwards split into B(w=false) and W is a start too. It returns the best order that the exact :func:`~.simulate.simulate` confirms to
 be no longer than the input, with no rank's peak live activations above that rank's peak in
 the input. With an activation budget K (``max_activations``) every rank's cap is K instead,
 and the result is the fastest order found within it, slower than the input if the input does
@@ -524,6 +524,24 @@ def _sequential(model: _Model) -> list[list[Op]]:
     return out
 
 
+def _split_weight_grads(ops: list[list[Op]]) -> list[list[Op]]:
+    """``ops`` with every full backward (alone or in an F&B pair) split into its input-grad
+    part and the weight grad right after it: the same peak, and the B's output leaves a W
+    earlier; DeepSeek's steady pairs run full backwards, so this is often faster outright."""
+    out: list[list[Op]] = []
+    for rank_ops in ops:
+        split: list[Op] = []
+        for op in rank_ops:
+            back = op.b if isinstance(op, FB) else op
+            if isinstance(back, B) and back.w:
+                short = B(back.key, False)
+                split += [FB(op.f, short) if isinstance(op, FB) else short, W(back.key)]
+            else:
+                split.append(op)
+        out.append(split)
+    return out
+
+
 def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
             rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], Lists]]:
     """Local search from each seed and from the best orders the list scheduler builds under
@@ -578,6 +596,7 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
             f"order of {sched.name} at P={sched.ranks} needs (live (d,s,m) per rank)")
     model = _Model(sched, costs)
     base_lists = [[model.enc(op) for op in ops] for ops in sched.ops]
+    split_lists = [[model.enc(op) for op in ops] for ops in _split_weight_grads(sched.ops)]
     n_ops = sum(map(len, base_lists))
     if work < 1:
         raise ScheduleError(f"search work must be positive, got {work}")
@@ -587,11 +606,12 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     own = [peak_live_activations(ops) for ops in sched.ops]
     base = simulate(sched, costs)
     fits = max_activations is None or max(own, default=0) <= max_activations
-    found = _search(model, own, [base_lists], budget) if fits else []
+    found = _search(model, own, [base_lists, split_lists], budget) if fits else []
     caps = own if max_activations is None else [max_activations] * sched.ranks
     if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
         rules = _RULES + tuple(r for r in _BUDGET_RULES if not r.split or sched.directions > 1)
-        found += _search(model, caps, [base_lists] if fits else [], budget, rules, (_Reference(sched.ops),))
+        follow = (_Reference(sched.ops), _Reference(_split_weight_grads(sched.ops)))
+        found += _search(model, caps, [base_lists, split_lists] if fits else [], budget, rules, follow)
         if not found:
             found = _search(model, caps, [[[model.enc(op) for op in ops] for ops in _sequential(model)]], budget)
     ranked = [(score, i, lists) for i, (score, lists) in enumerate(found)]
