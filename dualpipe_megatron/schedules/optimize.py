@@ -6,7 +6,8 @@ placement and micro-batches. It builds candidates with a memory-capped list sche
 (several priority rules), then improves the input and the best candidates by an iterated
 local search on the critical path (swap, split or pair F&B, defer or move weight grads; when
 it stalls, a few seeded random moves and again), spending its work by successive halving over
-those starts; the input with its full backwards split into B(w=false) and W is a start too. It returns the best order that the exact :func:`~.simulate.simulate` confirms to
+those starts (the input, and the input with its full backwards split into B(w=false) and W,
+among them). It returns the best order that the exact :func:`~.simulate.simulate` confirms to
 be no longer than the input, with no rank's peak live activations above that rank's peak in
 the input. With an activation budget K (``max_activations``) every rank's cap is K instead,
 and the result is the fastest order found within it, slower than the input if the input does
@@ -596,7 +597,8 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
             f"order of {sched.name} at P={sched.ranks} needs (live (d,s,m) per rank)")
     model = _Model(sched, costs)
     base_lists = [[model.enc(op) for op in ops] for ops in sched.ops]
-    split_lists = [[model.enc(op) for op in ops] for ops in _split_weight_grads(sched.ops)]
+    split_ops = _split_weight_grads(sched.ops)
+    split_lists = [[model.enc(op) for op in ops] for ops in split_ops]
     n_ops = sum(map(len, base_lists))
     if work < 1:
         raise ScheduleError(f"search work must be positive, got {work}")
@@ -610,7 +612,7 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     caps = own if max_activations is None else [max_activations] * sched.ranks
     if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
         rules = _RULES + tuple(r for r in _BUDGET_RULES if not r.split or sched.directions > 1)
-        follow = (_Reference(sched.ops), _Reference(_split_weight_grads(sched.ops)))
+        follow = (_Reference(sched.ops), _Reference(split_ops))
         found += _search(model, caps, [base_lists, split_lists] if fits else [], budget, rules, follow)
         if not found:
             found = _search(model, caps, [[[model.enc(op) for op in ops] for ops in _sequential(model)]], budget)
