@@ -122,6 +122,7 @@ class _Rule:
     spare: bool = False  # a banker's margin: room for the oldest micro-batch's later stages and idle directions
     split: bool = False  # each direction gets its own share of a rank's cap (no cross-direction stall)
     windows: bool = False  # each stage gets a share of its rank's cap by how long its activations live
+    inflight: int = 0  # n > 0: at most n/8 of the entry rank's cap micro-batches of a direction in flight
 
 
 _RULES = (
@@ -130,7 +131,8 @@ _RULES = (
 )
 _BUDGET_RULES = tuple(_Rule(**{**vars(r), "reserve": True, "split": split})
                       for split in (False, True) for r in _RULES) + tuple(
-    _Rule(**{**vars(r), "spare": True, "windows": w}) for w in (False, True) for r in _RULES)  # tried only under a budget
+    _Rule(**{**vars(r), "spare": True, "windows": w}) for w in (False, True) for r in _RULES) + tuple(
+    _Rule(pair=pair, spare=True, inflight=n) for pair in (False, True) for n in (5, 6, 7, 8))  # tried only under a budget
 
 
 def _shares(model: _Model, caps: list[int], depth: Counter) -> Optional[dict[tuple[int, int], int]]:
@@ -212,6 +214,10 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
         return None
     window = _windows(model, caps) if rule.windows else None
     live_at: Counter = Counter()  # live activations per stage
+    # congestion control: a micro-batch enters only while few enough of its direction are in
+    # flight (entered, stage 0's weight grad not done), so that ranks downstream never fill up
+    # with forwards whose backwards come late (which starves them all at once)
+    entry = {d: max(1, caps[rank[(d, 0)]] * rule.inflight // 8) for d in range(model.directions)}
 
     def room(r: int, d: int, s: int) -> bool:
         """May an F of stage (d, s) start on rank r under its cap?"""
@@ -221,6 +227,8 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
                 depth[(r, y)] for y in range(model.directions)
                 if y != d and held[(r, y)] == 0 and f_left[(r, y)] > 0)
         if window is not None and live_at[(d, s)] + 1 > window[(d, s)]:
+            return False
+        if rule.inflight and s == 0 and live_at[(d, 0)] >= entry[d]:
             return False
         if share is not None:
             return held[(r, d)] + need <= share[(r, d)]
@@ -553,7 +561,7 @@ def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
     built: list[tuple[tuple[float, float], int, Lists]] = []
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
-        admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows), rule)
+        admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
     for rule, ref in [(rule, None) for rule in rules] + [(rule, ref) for ref in follow for rule in admits.values()]:
         order = _list_schedule(model, caps, rule, ref)
         if order is None:
@@ -613,7 +621,9 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
         rules = _RULES + tuple(r for r in _BUDGET_RULES if not r.split or sched.directions > 1)
         follow = (_Reference(sched.ops), _Reference(split_ops))
-        found += _search(model, caps, [base_lists, split_lists] if fits else [], budget, rules, follow)
+        # an input above the budget skips the search under its own peaks: this one gets its work too
+        found += _search(model, caps, [base_lists, split_lists] if fits else [], budget if fits else 2 * budget,
+                         rules, follow)
         if not found:
             found = _search(model, caps, [[[model.enc(op) for op in ops] for ops in _sequential(model)]], budget)
     ranked = [(score, i, lists) for i, (score, lists) in enumerate(found)]
