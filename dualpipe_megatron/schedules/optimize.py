@@ -14,11 +14,12 @@ and the result is the fastest order found within it, slower than the input if th
 not fit; the list scheduler then also tries admission rules that cannot stall for memory (a
 micro-batch enters a rank only with room for all its stages there, or with a banker's margin
 for the oldest micro-batch; DualPipe's directions each get a share of the cap; each stage a
-window by how long its activations live), and orders that follow the input's op ranks and
-pairs under the cap. The one-micro-batch-at-a-time order, which meets the minimum
-(:func:`min_activations`), is the fallback start. The search is bounded by work, not time, and
-deterministic; it times schedules with floats, re-timing only what follows a move
-(:func:`~.events.timing`'s ``since``), and only the final check is exact.
+window by how long its activations live; a micro-batch enters only while few enough of its
+direction are in flight), and orders that follow the input's op ranks and pairs under the
+cap. The one-micro-batch-at-a-time order, which meets the minimum (:func:`min_activations`), is
+the fallback start. The search is bounded by work, not time, and deterministic; it times
+schedules with floats, re-timing only what follows a move (:func:`~.events.timing`'s
+``since``), and only the final check is exact.
 """
 
 from __future__ import annotations
