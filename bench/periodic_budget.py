@@ -47,16 +47,15 @@ def solve(ranks: int, period: int, budget: int, costs: dict[str, int], seconds: 
                 start[key] = model.NewIntVar(0, horizon, "")
                 phase[key] = model.NewIntVar(0, period - 1, "")
                 model.AddModuloEquality(phase[key], start[key], period)
-                paired = model.NewBoolVar("")
-                if op == "F":
-                    model.Add(paired == sum(pair[r, x, b] for b in halves))
-                elif op == "B":
-                    model.Add(paired == sum(pair[r, f, x] for f in halves))
-                else:
-                    model.Add(paired == 0)
                 alone = costs[op]
-                length[key] = model.NewIntVar(min(alone, costs["fb"]), max(alone, costs["fb"]), "")
-                model.Add(length[key] == alone + (costs["fb"] - alone) * paired)
+                if op == "W":  # never paired
+                    paired, length[key] = None, alone
+                else:
+                    paired = model.NewBoolVar("")
+                    model.Add(paired == (sum(pair[r, x, b] for b in halves) if op == "F"
+                                         else sum(pair[r, f, x] for f in halves)))
+                    length[key] = model.NewIntVar(min(alone, costs["fb"]), max(alone, costs["fb"]), "")
+                    model.Add(length[key] == alone + (costs["fb"] - alone) * paired)
                 for shift in (0, period):  # two copies cover a phase that wraps past T
                     at = model.NewIntVar(0, 2 * period, "")
                     model.Add(at == phase[key] + shift)

@@ -218,7 +218,8 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
     # congestion control: a micro-batch enters only while few enough of its direction are in
     # flight (entered, stage 0's weight grad not done), so that ranks downstream never fill up
     # with forwards whose backwards come late (which starves them all at once)
-    entry = {d: max(1, caps[rank[(d, 0)]] * rule.inflight // 8) for d in range(model.directions)}
+    entry = ({d: max(1, caps[rank[(d, 0)]] * rule.inflight // 8) for d in range(model.directions)}
+             if rule.inflight else None)
 
     def room(r: int, d: int, s: int) -> bool:
         """May an F of stage (d, s) start on rank r under its cap?"""
@@ -229,7 +230,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
                 if y != d and held[(r, y)] == 0 and f_left[(r, y)] > 0)
         if window is not None and live_at[(d, s)] + 1 > window[(d, s)]:
             return False
-        if rule.inflight and s == 0 and live_at[(d, 0)] >= entry[d]:
+        if entry is not None and s == 0 and live_at[(d, 0)] >= entry[d]:
             return False
         if share is not None:
             return held[(r, d)] + need <= share[(r, d)]
