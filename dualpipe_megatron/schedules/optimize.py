@@ -263,8 +263,8 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
     def by_rule(fs: list, bs: list, pending: deque, must: bool, idle: float) -> tuple[Optional[Op], float]:
         """The rule's pick among the ready ops; with none, a deferred W if the rank ``must`` run one
         (blocked for memory, or done with F and B) or is ``idle`` long enough before its next input."""
-        f = min(fs, key=f_key) if fs else None
-        b = min(bs, key=b_key) if bs else None
+        f = (fs[0] if len(fs) == 1 else min(fs, key=f_key)) if fs else None
+        b = (bs[0] if len(bs) == 1 else min(bs, key=b_key)) if bs else None
         if f and b and rule.pair:
             return FB(F(Key(*f[1], f[2])), B(Key(*b[1], b[2]), not rule.defer)), max(f[0], b[0])
         if b and (not f or rule.b_first):
@@ -327,9 +327,9 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
         out[r].append(op)
         starts[r].append(begin)
         for h in halves(op):
-            k, ds = h.key, (h.key.d, h.key.s)
-            held[(r, k.d)] -= kind(h).frees
-            live_at[ds] += kind(h).starts - kind(h).frees
+            k, ds, row = h.key, (h.key.d, h.key.s), kind(h)
+            held[(r, k.d)] -= row.frees
+            live_at[ds] += row.starts - row.frees
             if isinstance(h, F):
                 held[(r, k.d)] += (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
                 next_f[ds] += 1
