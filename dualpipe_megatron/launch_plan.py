@@ -9,7 +9,10 @@ where CUDA is present (it reads the GPU's compute capability and TE's version; s
 said so, elsewhere), then ours after it (micro-batches per step, EPLB flags, stage costs).
 Nothing is built and no process group is created. The report gives the layout, each rank's
 stages, parameters, weight/gradient/optimizer bytes and peak activation bytes
-(:mod:`.launch_memory`), and the step the projection predicts with its built-in costs.
+(:mod:`.launch_memory`), and the step the projection predicts with its built-in costs. Peaks and
+step are those of the op order the job runs, built by training's own
+:func:`~.megatron.schedule.training_order`: DeepSeek's, or under ``--dualpipe-optimize-order`` /
+``--dualpipe-max-activations`` the optimized one (seconds at large P and M under a budget).
 
 Exit status 0 with the report; 1 with ``refused: ...`` when a check refuses the job (the
 message is the check's own); 2 for bad usage.
@@ -29,6 +32,7 @@ from .schedules.cli import CliParser, positive_int
 from .schedules.ir import Schedule, ScheduleError
 
 if TYPE_CHECKING:
+    from .megatron.schedule import DualPipeOptions
     from .projection.project import Projection
 
 OVERLAP_LOSS = 0.1  # the projection command's default share of an F&B pair's all-to-all left exposed
@@ -45,6 +49,7 @@ class Checked:
     args: argparse.Namespace
     requested_layout: str | None
     megatron_validated: bool
+    options: DualPipeOptions | None  # what our schedule runs (None: Megatron's schedule)
 
 
 def _have_cuda() -> bool:
@@ -76,7 +81,7 @@ def check(args: argparse.Namespace) -> Checked:
     """Run the start-up checks in start-up order on ``args`` (changed as they change them)."""
     from megatron.training.arguments import validate_args
 
-    from .megatron.training_support import post_validate, pre_validate
+    from .megatron.training_support import active_options, post_validate, pre_validate
 
     requested, printed = args.dualpipe_layout, io.StringIO()
     validated = _have_cuda()
@@ -94,7 +99,7 @@ def check(args: argparse.Namespace) -> Checked:
             post_validate(args)
         except ValueError as exc:
             raise Refused(str(exc)) from None
-    return Checked(args, requested, validated)
+    return Checked(args, requested, validated, active_options())
 
 
 def _billions(n: float) -> str:
@@ -129,11 +134,12 @@ def _memory_lines(args: argparse.Namespace, peaks: list[float] | None, why: str)
     return lines
 
 
-def _projection(args: argparse.Namespace, sched: Schedule, gpus_per_node: int
-                ) -> tuple[list[float], Projection | ScheduleError]:
-    """Per-rank activation peaks and the projected step, from the projection's public API."""
+def _projection(args: argparse.Namespace, sched: Schedule, max_activations: int | None, gpus_per_node: int
+                ) -> tuple[list[float], Projection]:
+    """Per-rank activation peaks and the projected step of the job's order ``sched`` (made within
+    ``max_activations``, if set), from the projection's public API."""
     from .launch_memory import GivenLayout, activation_peaks, decoder_counts, projection_shapes
-    from .projection import Network, count_chunk, project, stage_times, variants
+    from .projection import Network, count_chunk, project_order, stage_times, variants
 
     model, shape = projection_shapes(args)
     chunk = count_chunk(shape)
@@ -142,26 +148,40 @@ def _projection(args: argparse.Namespace, sched: Schedule, gpus_per_node: int
     placement = GivenLayout(decoder_counts(args.pipeline_model_parallel_layout), model, shape, times,
                             chunk, OVERLAP_LOSS, pp, sched.microbatches)
     row = next(v for v in variants() if v.label == args.pipeline_schedule)
-    return activation_peaks(placement, sched, chunk.saved_bytes), project(placement, pp, sched.microbatches,
-                                                                            [row])[0]
+    return (activation_peaks(placement, sched, chunk.saved_bytes),
+            project_order(placement, row, sched, max_activations))
 
 
-def _step_line(args: argparse.Namespace, result: Projection | ScheduleError | None, why: str) -> str:
-    if result is None or isinstance(result, ScheduleError):
-        return f"projected step: n/a: {why or result}"
+def _order(args: argparse.Namespace, options: DualPipeOptions) -> str:
+    """The op order the job runs, in words: DeepSeek's, or the optimized one, for which costs and
+    within which activation budget."""
+    from .schedules.simulate import StageCosts
+
+    if options.optimize_for is None and options.max_activations is None:
+        return "DeepSeek's op order"
+    costs = (f"the stage costs in {args.dualpipe_stage_costs}" if isinstance(options.optimize_for, StageCosts)
+             else "the uniform costs F=1 B=2 W=1 F&B=3")
+    budget = ("" if options.max_activations is None
+              else f" within {options.max_activations} live stage activations per rank")
+    return f"the op order optimized for {costs}{budget}"
+
+
+def _step_line(args: argparse.Namespace, result: Projection | None, order: str, why: str) -> str:
+    if result is None:
+        return f"projected step: n/a: {why}"
     step = float(result.result.makespan)
     tokens = args.global_batch_size * args.seq_length / (step / 1000) / args.world_size
     exposed = "" if result.exposed_a2a_ms is None else f", exposed all-to-all {result.exposed_a2a_ms:,.1f} ms"
     return (f"projected step: {step:,.1f} ms, bubble ratio {float(result.result.bubble_ratio):.3f}{exposed}; "
             f"{tokens:,.0f} tokens/s/GPU (the projection's built-in costs: FLOPs at its default rate and its "
-            f"network model, DeepSeek's op order; optimizer step and data-parallel reduction left out)")
+            f"network model, {order}; optimizer step and data-parallel reduction left out)")
 
 
 def report(checked: Checked, gpus_per_node: int = 8) -> list[str]:
     """The plan's lines: sizes, checks, layout, per-rank memory, projected step."""
     from .megatron.auto_layout import microbatches
+    from .megatron.schedule import training_order
     from .projection import ProjectionError
-    from .schedules import build_schedule
 
     args = checked.args
     pp, schedule = args.pipeline_model_parallel_size, args.pipeline_schedule
@@ -171,19 +191,23 @@ def report(checked: Checked, gpus_per_node: int = 8) -> list[str]:
     lines = [f"# plan: {schedule} on {args.world_size} GPUs = PP {pp} x TP {args.tensor_model_parallel_size} x "
              f"DP {args.data_parallel_size} (EP {args.expert_model_parallel_size}), {m} micro-batches per step",
              f"checks: ours passed (arguments, schedule, layout, EPLB); Megatron's validate_args {megatron}"]
-    if schedule not in ("dualpipev", "dualpipe"):
+    options = checked.options
+    if options is None:  # post_validate keeps none for Megatron's schedules
         return lines + [f"(--pipeline-schedule {schedule} is Megatron's: no DualPipe plan)"]
     layout = args.pipeline_model_parallel_layout
     how = ("chosen by --dualpipe-layout auto" if checked.requested_layout == "auto"
            else "--dualpipe-layout" if checked.requested_layout else "--num-layers split evenly")
     lines.append(f"layout ({how}, {layout.stage_map.num_stages} stages): {layout!r}")
-    sched = build_schedule(schedule, pp, m)
+    try:
+        sched = training_order(options, pp, m)  # the job's own order, so the plan cannot drift from it
+    except ValueError as exc:  # a budget no order found meets: the job's first step would refuse it
+        raise Refused(str(exc)) from None
     peaks, result, why = None, None, ""
     try:
-        peaks, result = _projection(args, sched, gpus_per_node)
+        peaks, result = _projection(args, sched, options.max_activations, gpus_per_node)
     except (ProjectionError, ScheduleError) as exc:
         why = str(exc)
-    return lines + _memory_lines(args, peaks, why) + [_step_line(args, result, why)]
+    return lines + _memory_lines(args, peaks, why) + [_step_line(args, result, _order(args, options), why)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -199,6 +199,33 @@ def test_dry_run_plan(schedule: str, stages: int, layout: str) -> None:
     assert seconds < 30, seconds
 
 
+def _peaks(lines: list[str]) -> list[float]:
+    """The report's peak-activations column (GiB), rank by rank."""
+    return [float(line.split("|")[6]) for line in lines if line.startswith("| ") and line[2].isdigit()]
+
+
+def test_dry_run_plan_of_a_budgeted_job_is_the_budgeted_order() -> None:
+    """The one-node proxy (DualPipeV, P=2, 16 micro-batches: DeepSeek's order keeps 5 stage
+    activations live on each rank) under ``--dualpipe-max-activations 3``: the plan's peaks and
+    step are those of the order training runs within K = 3, lower peaks on every rank and a
+    longer step, named in the step line; without the flag the plan is DeepSeek's order's."""
+    plain = _run(TORCHRUN_SH, "--dry-run", **PROXY, FP8="0")
+    budgeted = _run(TORCHRUN_SH, "--dry-run", "--dualpipe-max-activations", "3", **PROXY, FP8="0")
+    assert plain.returncode == budgeted.returncode == 0, (plain.stderr, budgeted.stderr)
+    deepseek, _ = _plan(_command(plain.stdout))
+    ours, _ = _plan(_command(budgeted.stdout))
+    assert all(k < d for k, d in zip(_peaks(ours), _peaks(deepseek), strict=True)), (ours, deepseek)
+    step = {name: next(line for line in lines if line.startswith("projected step: "))
+            for name, lines in (("deepseek", deepseek), ("ours", ours))}
+    assert "network model, DeepSeek's op order;" in step["deepseek"]
+    assert ("the op order optimized for the uniform costs F=1 B=2 W=1 F&B=3 within 3 live stage activations "
+            "per rank;") in step["ours"]
+    assert float(step["ours"].split()[2].replace(",", "")) > float(step["deepseek"].split()[2].replace(",", ""))
+    # Everything but the peaks and the step is the job's, not the order's.
+    assert [line for line in deepseek if line.startswith(("#", "checks", "layout", "parameters", "memory"))] == \
+        [line for line in ours if line.startswith(("#", "checks", "layout", "parameters", "memory"))]
+
+
 def test_dry_run_plan_refuses_a_layout_of_the_other_schedule() -> None:
     """The script runs the plan after the command; DualPipe given DualPipeV's 2P-stage layout
     is refused there with our check's message and a non-zero exit (no Transformer Engine here,

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from dualpipe_megatron.megatron import training_support
-from dualpipe_megatron.megatron.schedule import DualPipeOptions, _build
+from dualpipe_megatron.megatron.schedule import DualPipeOptions, training_order
 from dualpipe_megatron.schedules import build_schedule
 from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.optimize import optimize_order
@@ -51,7 +51,7 @@ def test_budget_below_the_minimum_is_refused_at_the_first_step_without_a_batch_s
     args = _args(dualpipe_max_activations=1, global_batch_size=None)
     assert training_support._activation_budget(args, 2) == 1
     with pytest.raises(ValueError, match=r"^--dualpipe-max-activations 1 is below the minimum 2: "):
-        _build(DualPipeOptions(schedule="dualpipev", max_activations=1), 2, 8)
+        training_order(DualPipeOptions(schedule="dualpipev", max_activations=1), 2, 8)
 
 
 def test_budget_allows_stage_costs_and_alone_uses_the_uniform_costs(tmp_path: Path) -> None:
@@ -71,6 +71,6 @@ def test_budget_alone_runs_the_optimizers_order_within_it() -> None:
     deepseek = build_schedule("dualpipev", 2, 8)
     budget = 4
     assert max(peak_live_activations(ops) for ops in deepseek.ops) > budget
-    ran = _build(DualPipeOptions(schedule="dualpipev", max_activations=budget), 2, 8)
+    ran = training_order(DualPipeOptions(schedule="dualpipev", max_activations=budget), 2, 8)
     assert ran.ops == optimize_order(deepseek, Costs.of(), max_activations=budget).ops != deepseek.ops
     assert max(peak_live_activations(ops) for ops in ran.ops) <= budget

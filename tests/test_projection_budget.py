@@ -12,9 +12,10 @@ from dualpipe_megatron.projection.cli import main
 from dualpipe_megatron.projection.costs import StageTimes
 from dualpipe_megatron.projection.count import ChunkCount
 from dualpipe_megatron.projection.placement import Uniform
-from dualpipe_megatron.projection.project import activation_budget, project, variants
+from dualpipe_megatron.projection.project import activation_budget, build_variant, project, project_order, variants
 from dualpipe_megatron.projection.report import GIB, rows
 from dualpipe_megatron.schedules import build_schedule
+from dualpipe_megatron.schedules.optimize import optimize_order
 
 BUDGETS = (Fraction(1), Fraction(3, 4), Fraction(1, 2), Fraction(1, 10))
 
@@ -42,6 +43,20 @@ def test_budget_rows_stay_within_their_budget_and_report_gib() -> None:
         assert row["peak_activations_stages"] == row["peak_live_activations"] / 2
         assert row["peak_activations_gib"] == 3 * row["peak_activations_stages"]
     assert table["dualpipev+opt budget 1"]["step_ms"] <= deepseek["step_ms"]  # DeepSeek's order fits K
+
+
+def test_a_given_order_projects_as_its_row() -> None:
+    """``project_order`` on the order a budget row builds (what the launch plan passes: the job's
+    own order) gives that row's projection; on DeepSeek's order, the plain row's."""
+    t = StageTimes(F=1, B=2, W=0.5, FB=2.5, a2a_fwd=0.2, a2a_bwd=0.2, p2p=0.01, source="test")
+    placement = Uniform(t, 0.1, 3)
+    plain, budgeted = (next(v for v in variants(budgets=[Fraction(1, 2)]) if v.label == label)
+                       for label in ("dualpipev", "dualpipev+opt budget 1/2"))
+    deepseek = build_variant(plain, 3, 6)
+    costs = placement.plan(deepseek, plain.overlap, plain.auto_layout).costs
+    order = optimize_order(deepseek, costs, max_activations=4)
+    assert project_order(placement, budgeted, order, 4) == project(placement, 3, 6, [budgeted])[0]
+    assert project_order(placement, plain, deepseek) == project(placement, 3, 6, [plain])[0]
 
 
 def test_cli_budget_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

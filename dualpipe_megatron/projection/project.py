@@ -18,7 +18,7 @@ from ..schedules.ir import B, F, FB, Schedule, ScheduleError
 from ..schedules.optimize import min_activations, optimize_order
 from ..schedules.registry import build_schedule
 from ..schedules.simulate import SimResult, simulate
-from .placement import Placement, weighted_peak
+from .placement import Placement, Plan, weighted_peak
 
 
 @dataclass(frozen=True)
@@ -132,16 +132,29 @@ def project(placement: Placement, ranks: int, microbatches: int,
         except ScheduleError as exc:
             out.append(ScheduleError(f"{v.label}: {exc}"))
             continue
-        res = simulate(sched, plan.costs)
-        peak = max(weighted_peak(ops, plan.activations) for ops in sched.ops)
-        params = max(sum((plan.params[k] for k in sched.stages_on(r)), Fraction(0))
-                     for r in range(ranks))
-        exposed = (max(sum(plan.exposed(op) for op in ops) for ops in sched.ops)
-                   if plan.exposed else None)
-        live = max(peak_live_activations(ops) for ops in sched.ops)
-        out.append(Projection(v, res, peak, params, exposed, plan.layout, live, budget, clamped))
+        out.append(_measured(v, sched, plan, budget, clamped))
     return out
 
 
+def project_order(placement: Placement, v: Variant, sched: Schedule,
+                  max_activations: int | None = None) -> Projection:
+    """``sched``'s op order exactly as given (e.g. the one a training job runs, which row ``v``'s
+    generator, optimizer and costs would not rebuild), projected as :func:`project` projects ``v``;
+    ``max_activations`` is the budget that order was made within, if any, to report it."""
+    return _measured(v, sched, placement.plan(sched, v.overlap, v.auto_layout), max_activations, False)
+
+
+def _measured(v: Variant, sched: Schedule, plan: Plan, budget: int | None, clamped: bool) -> Projection:
+    """Simulate ``sched``'s order under ``plan``'s costs; its peaks, parameters and exposed all-to-all."""
+    res = simulate(sched, plan.costs)
+    peak = max(weighted_peak(ops, plan.activations) for ops in sched.ops)
+    params = max(sum((plan.params[k] for k in sched.stages_on(r)), Fraction(0))
+                 for r in range(sched.ranks))
+    exposed = (max(sum(plan.exposed(op) for op in ops) for ops in sched.ops)
+               if plan.exposed else None)
+    live = max(peak_live_activations(ops) for ops in sched.ops)
+    return Projection(v, res, peak, params, exposed, plan.layout, live, budget, clamped)
+
+
 __all__ = ["Projection", "VARIANTS", "Variant", "activation_budget", "build_variant",
-           "megatron_combined_1f1b", "project", "variants"]
+           "megatron_combined_1f1b", "project", "project_order", "variants"]
