@@ -19,7 +19,7 @@ from .optimize import SEARCH_WORK, optimize_order
 from .registry import GENERATORS, build_schedule
 from .simulate import AnyCosts, Costs, SimResult, StageCosts, simulate
 
-COMPARED = ["1f1b", "interleaved", "zb1p", "zbv", "chimera", "dualpipe", "dualpipev"]
+COMPARED = ["1f1b", "interleaved", "zb1p", "zbv", "vhalf", "chimera", "dualpipe", "dualpipev"]
 
 
 class CliParser(argparse.ArgumentParser):
