@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from .schedules.cli import CliParser, positive_int
+from .schedules.cli import CliParser, fmt, positive_int
 from .schedules.ir import Schedule, ScheduleError
 
 if TYPE_CHECKING:
@@ -155,12 +155,13 @@ def _projection(args: argparse.Namespace, sched: Schedule, max_activations: int 
 def _order(args: argparse.Namespace, options: DualPipeOptions) -> str:
     """The op order the job runs, in words: DeepSeek's, or the optimized one, for which costs and
     within which activation budget."""
-    from .schedules.simulate import StageCosts
+    from .schedules.simulate import Costs, StageCosts
 
     if options.optimize_for is None and options.max_activations is None:
         return "DeepSeek's op order"
-    costs = (f"the stage costs in {args.dualpipe_stage_costs}" if isinstance(options.optimize_for, StageCosts)
-             else "the uniform costs F=1 B=2 W=1 F&B=3")
+    c = Costs.of() if options.optimize_for is None else options.optimize_for  # as training_order reads it
+    costs = (f"the stage costs in {args.dualpipe_stage_costs}" if isinstance(c, StageCosts)
+             else f"the uniform costs F={fmt(c.F)} B={fmt(c.B)} W={fmt(c.W)} F&B={fmt(c.FB)}")
     budget = ("" if options.max_activations is None
               else f" within {options.max_activations} live stage activations per rank")
     return f"the op order optimized for {costs}{budget}"
