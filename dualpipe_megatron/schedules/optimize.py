@@ -130,14 +130,14 @@ _RULES = (
     _Rule(), _Rule(fill=1.0), _Rule(defer=False), _Rule(pair=False),
     _Rule(pair=False, by_level=True), _Rule(pair=False, by_level=True, b_first=False),
 )
-_SPLIT_RULES = tuple(r for r in _RULES if r.defer)
+_DEFERRING_RULES = tuple(r for r in _RULES if r.defer)  # the rules that leave weight grads to W's
 # Tried only under a budget. Those whose list schedule was never among the six best of a case on
 # the 48-case grid are left out (full backwards, and all but one rule with per-direction
 # shares or per-stage windows), which leaves every order the grid finds as it was.
 _BUDGET_RULES = (
-    tuple(_Rule(**{**vars(r), "reserve": True}) for r in _SPLIT_RULES)
+    tuple(_Rule(**{**vars(r), "reserve": True}) for r in _DEFERRING_RULES)
     + (_Rule(fill=1.0, reserve=True, split=True),)
-    + tuple(_Rule(**{**vars(r), "spare": True}) for r in _SPLIT_RULES)
+    + tuple(_Rule(**{**vars(r), "spare": True}) for r in _DEFERRING_RULES)
     + (_Rule(pair=False, by_level=True, b_first=False, spare=True, windows=True),)
     + tuple(_Rule(pair=pair, spare=True, inflight=n) for pair in (False, True) for n in (5, 6, 7, 8)))
 
