@@ -155,11 +155,12 @@ def _projection(args: argparse.Namespace, sched: Schedule, max_activations: int 
 def _order(args: argparse.Namespace, options: DualPipeOptions) -> str:
     """The op order the job runs, in words: DeepSeek's, or the optimized one, for which costs and
     within which activation budget."""
-    from .schedules.simulate import Costs, StageCosts
+    from .megatron.schedule import order_costs
+    from .schedules.simulate import StageCosts
 
-    if options.optimize_for is None and options.max_activations is None:
+    c = order_costs(options)
+    if c is None:
         return "DeepSeek's op order"
-    c = Costs.of() if options.optimize_for is None else options.optimize_for  # as training_order reads it
     costs = (f"the stage costs in {args.dualpipe_stage_costs}" if isinstance(c, StageCosts)
              else f"the uniform costs F={fmt(c.F)} B={fmt(c.B)} W={fmt(c.W)} F&B={fmt(c.FB)}")
     budget = ("" if options.max_activations is None

@@ -151,6 +151,14 @@ def check_activation_budget(sched: Schedule, max_activations: int) -> None:
                          f"(direction, stage, micro-batch) live on some rank")
 
 
+def order_costs(options: DualPipeOptions) -> Costs | StageCosts | None:
+    """The costs a job's order is optimized for: ``options.optimize_for``, the uniform costs when
+    only a budget is set, None when the job runs DeepSeek's order."""
+    if options.optimize_for is None and options.max_activations is None:
+        return None
+    return Costs.of() if options.optimize_for is None else options.optimize_for
+
+
 def training_order(options: DualPipeOptions, ranks: int, microbatches: int) -> Schedule:
     """The op order a job with ``options`` runs: DeepSeek's, or the one optimized for
     ``options.optimize_for`` (the uniform costs when only a budget is set) within
@@ -161,10 +169,9 @@ def training_order(options: DualPipeOptions, ranks: int, microbatches: int) -> S
     except ScheduleError as exc:
         raise ValueError(f"--pipeline-schedule {options.schedule}: {exc}") from None
     validate(sched)
-    budget = options.max_activations
-    if options.optimize_for is None and budget is None:
+    budget, costs = options.max_activations, order_costs(options)
+    if costs is None:
         return sched
-    costs = Costs.of() if options.optimize_for is None else options.optimize_for
     if budget is not None:
         check_activation_budget(sched, budget)
     try:
@@ -352,5 +359,5 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
 
 __all__ = [
     "DualPipeJob", "DualPipeOptions", "StepPlan", "check_activation_budget", "finish_step",
-    "make_forward_backward_func", "plan_step", "run_step", "stage_map_for", "training_order",
+    "make_forward_backward_func", "order_costs", "plan_step", "run_step", "stage_map_for", "training_order",
 ]

@@ -209,7 +209,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
     pending: list[deque[Key]] = [deque() for _ in range(P)]
     left = [2 * per * len(model.stages_on[r]) for r in range(P)]
     out: list[list[Op]] = [[] for _ in range(P)]
-    starts: list[list[float]] = [[] for _ in range(P)]
+    starts: list[list[float]] = [[] for _ in range(P)]  # summed as _score sums them (sum() compensates)
     heap = [(0.0, r) for r in range(P)]
     # held: live activations per (rank, direction), plus with reserve the slots that a
     # micro-batch's first F on a rank claims for its other stages there
