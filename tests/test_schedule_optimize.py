@@ -10,6 +10,7 @@ from fractions import Fraction
 import pytest
 
 from dualpipe_megatron.schedules import Costs, Schedule, build_schedule, simulate, validate
+from dualpipe_megatron.schedules import optimize
 from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import ScheduleError
 from dualpipe_megatron.schedules.ir import B, FB, W
@@ -206,6 +207,26 @@ def test_an_in_flight_window_ends_the_warm_up_flood() -> None:
         windowed = rule.inflight > 0
         best[windowed] = min(best.get(windowed, float("inf")), timed.makespan)
     assert best[True] <= 0.95 * best[False]
+
+
+def test_the_list_schedulers_bound_drops_only_longer_orders(monkeypatch) -> None:
+    """A list schedule stopped at a bound below its makespan is dropped, one within it is kept as
+    it is (every rule, at K and at DeepSeek's peak, per-stage costs whose pairs save unevenly);
+    and the search, which bounds each list schedule by the sixth best so far, finds the same
+    order as without bounds (DualPipeV P=4 M=8 at K, 41 candidates)."""
+    sched = build_schedule("dualpipev", 4, 8)
+    costs = stage_costs(sched, "c")
+    model = _Model(sched, costs)
+    budget = -(-3 * deepseek_peak(sched) // 4)
+    for cap in (budget, deepseek_peak(sched)):
+        for rule in _RULES + _BUDGET_RULES:
+            got = _list_schedule(model, [cap] * sched.ranks, rule)
+            if got is not None:
+                assert _list_schedule(model, [cap] * sched.ranks, rule, bound=got[0][0]) == got
+                assert _list_schedule(model, [cap] * sched.ranks, rule, bound=0.99 * got[0][0]) is None
+    bounded = optimize_order(sched, costs, max_activations=budget)
+    monkeypatch.setattr(optimize, "_list_schedule", lambda *a, bound=float("inf"): _list_schedule(*a))
+    assert optimize_order(sched, costs, max_activations=budget).ops == bounded.ops
 
 
 def test_more_search_work_finds_a_faster_order_within_the_budget() -> None:

@@ -192,12 +192,14 @@ def _levels(model: _Model) -> dict[tuple[str, int, int], float]:
     return out
 
 
-def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
-                   follow: Optional["_Reference"] = None) -> Optional[tuple[tuple[float, float], list[list[Op]]]]:
+def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional["_Reference"] = None,
+                   bound: float = INF) -> Optional[tuple[tuple[float, float], list[list[Op]]]]:
     """Event-driven list scheduling: micro-batches in order per stage, each rank under its cap;
     with ``follow``, ready ops are ranked by their place in that order (and paired as there).
     Returns the order and its :func:`_score`: each op starts when its rank is free and its
-    inputs are in, which are :func:`~.events.timing`'s rules, so the score is the timing's."""
+    inputs are in, which are :func:`~.events.timing`'s rules, so the score is the timing's.
+    None if a rank stalls for memory, or once the makespan is sure to exceed ``bound`` (a rank's
+    clock plus the least time its ops still to run can take, every possible pair paired)."""
     rank, per, stages, c = model.rank, model.per, model.stages, model.c
     level = _levels(model)
     f_end: dict[tuple[int, int], list[Optional[float]]] = {ds: [None] * per for ds in rank}  # per stage, by m
@@ -216,6 +218,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
     depth = Counter((r, d) for (d, _), r in rank.items())
     first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
     held: Counter = Counter()
+    held_on = [0] * model.ranks  # held per rank, all directions
     f_left = Counter()  # F's still to run per (rank, direction)
     for (d, _), r in rank.items():
         f_left[(r, d)] += per
@@ -224,6 +227,16 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
         return None
     window = _windows(model, caps) if rule.windows else None
     live_at: Counter = Counter()  # live activations per stage
+    # for the bound: each rank's F still to run (left: F and B), and their work (a B's with its weight
+    # grad), less what pairing them could save at most
+    f_rest, work = [0] * P, [0.0] * P
+    for ds in rank:
+        f_rest[rank[ds]] += per
+        work[rank[ds]] += per * (model.F[ds] + model.B[ds])
+    pairs = rule.pair or follow is not None
+    saves = [max([0.0] + [model.F[f] + model.B[b] - model.fb(f, b) for f in model.stages_on[r]
+                          for b in model.stages_on[r]]) if pairs else 0.0 for r in range(P)]
+    slack = bound + 1e-9 * max(1.0, bound)  # float sums of the work are not exact
     # congestion control: a micro-batch enters only while few enough of its direction are in
     # flight (entered, stage 0's weight grad not done), so that ranks downstream never fill up
     # with forwards whose backwards come late (which starves them all at once)
@@ -243,7 +256,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
             return False
         if share is not None:
             return held[(r, d)] + need <= share[(r, d)]
-        return sum(held[(r, y)] for y in range(model.directions)) + need <= caps[r]
+        return held_on[r] + need <= caps[r]
 
     def lat(src: tuple[int, int], r: int) -> float:
         return c if rank[src] != r else 0.0
@@ -329,9 +342,14 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
         for h in halves(op):
             k, ds, row = h.key, (h.key.d, h.key.s), kind(h)
             held[(r, k.d)] -= row.frees
+            held_on[r] -= row.frees
             live_at[ds] += row.starts - row.frees
             if isinstance(h, F):
-                held[(r, k.d)] += (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
+                work[r] -= model.F[ds]
+                f_rest[r] -= 1
+                claim = (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
+                held[(r, k.d)] += claim
+                held_on[r] += claim
                 next_f[ds] += 1
                 f_left[(r, k.d)] -= 1
                 left[r] -= 1
@@ -340,6 +358,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
                 if k.s + 1 < stages:
                     notify((k.d, k.s + 1), end + lat(ds, rank[(k.d, k.s + 1)]))
             elif isinstance(h, B):
+                work[r] -= model.B[ds] - (0.0 if h.w else model.W[ds])
                 next_b[ds] += 1
                 left[r] -= 1
                 b_end[ds][k.m] = end
@@ -347,6 +366,10 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule,
                     notify((k.d, k.s - 1), end + lat(ds, rank[(k.d, k.s - 1)]))
                 if not h.w:
                     pending[r].append(k)
+            else:
+                work[r] -= model.W[ds]
+        if end + work[r] - min(f_rest[r], left[r] - f_rest[r]) * saves[r] > slack:
+            return None
     if any(left) or any(pending):
         return None  # a rank stalled for memory
     return (max(clock), sum(map(sum, starts))), out
@@ -356,35 +379,40 @@ class _Reference:
     """A given order's place of each op, for :func:`_list_schedule` to follow under a cap."""
 
     def __init__(self, ops: list[list[Op]]) -> None:
-        self.pos: dict[tuple[str, Key], int] = {}
-        self.partner: dict[tuple[str, Key], tuple[str, Key]] = {}
-        self.full: dict[Key, bool] = {}
+        # keyed by plain tuples (event, d, s, m), which hash faster than Key
+        self.pos: dict[tuple[str, int, int, int], int] = {}
+        self.partner: dict[tuple[str, int, int, int], tuple[str, int, int, int]] = {}
+        self.full: dict[tuple[int, int, int], bool] = {}
         for rank_ops in ops:
             for i, op in enumerate(rank_ops):
                 for h in halves(op):
-                    self.pos[(kind(h).event, h.key)] = i
+                    k = h.key
+                    self.pos[(kind(h).event, k.d, k.s, k.m)] = i
                     if isinstance(h, B):
-                        self.full[h.key] = h.w
+                        self.full[(k.d, k.s, k.m)] = h.w
                 if isinstance(op, FB):
-                    f, b = ("F", op.f.key), ("B", op.b.key)
+                    f, b = ("F", op.f.key.d, op.f.key.s, op.f.key.m), ("B", op.b.key.d, op.b.key.s, op.b.key.m)
                     self.partner[f], self.partner[b] = b, f
 
     def pick(self, fs: list, bs: list, pending: deque, blocked: bool) -> tuple[Optional[Op], float]:
         """The ready op (F, B, W, or an F&B pair as in the reference) that comes first there."""
-        ready = {("F", Key(*x[1], x[2])): x[0] for x in fs}
-        ready.update({("B", Key(*x[1], x[2])): x[0] for x in bs})
-        if pending and (blocked or not ready or self.pos[("W", pending[0])] < min(self.pos[k] for k in ready)):
-            return W(pending.popleft()), 0.0
+        pos = self.pos
+        ready = {("F", *x[1], x[2]): x[0] for x in fs}
+        ready.update({("B", *x[1], x[2]): x[0] for x in bs})
+        if pending:
+            k = pending[0]
+            if blocked or not ready or pos[("W", k.d, k.s, k.m)] < min(pos[x] for x in ready):
+                return W(pending.popleft()), 0.0
         if not ready:
             return None, 0.0
-        first = min(ready, key=lambda k: (self.pos[k], k[0]))
+        first = min(ready, key=lambda x: (pos[x], x[0]))
         other = self.partner.get(first)
         if other in ready:
             f, b = (first, other) if first[0] == "F" else (other, first)
-            return FB(F(f[1]), B(b[1], self.full[b[1]])), max(ready[f], ready[b])
+            return FB(F(Key(*f[1:])), B(Key(*b[1:]), self.full[b[1:]])), max(ready[f], ready[b])
         if first[0] == "F":
-            return F(first[1]), ready[first]
-        return B(first[1], self.full[first[1]]), ready[first]
+            return F(Key(*first[1:])), ready[first]
+        return B(Key(*first[1:]), self.full[first[1:]]), ready[first]
 
 
 # -- local search on the critical path --------------------------------------------------------
@@ -572,21 +600,22 @@ def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
     halving: every start gets a short search (``budget // 4`` op-simulations), the best half
     of them a longer one, and so on until one is left (``budget`` in the last round), so that
     no start is judged by its list-scheduled length alone."""
-    built: list[tuple[tuple[float, float], int, list[list[Op]]]] = []
+    best: list[tuple[tuple[float, float], int, Lists]] = []  # the best few within the caps, sorted
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
         admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
-    for rule, ref in [(rule, None) for rule in rules] + [(rule, ref) for ref in follow for rule in admits.values()]:
-        got = _list_schedule(model, caps, rule, ref)
-        if got is not None:
-            built.append((got[0], len(built), got[1]))
-    starts = list(seeds)
-    for _, _, order in sorted(built):  # the best few within the caps, encoded only if they start a search
-        lists = [[model.enc(op) for op in ops] for ops in order]
+    candidates = [(rule, None) for rule in rules] + [(rule, ref) for ref in follow for rule in admits.values()]
+    # the last candidates (following an order, windowed entry) are most often the shortest: tried
+    # first, they set the bound early; one whose makespan is sure to exceed the current sixth best's
+    # cannot be among the best
+    for i, (rule, ref) in reversed(list(enumerate(candidates))):
+        got = _list_schedule(model, caps, rule, ref, best[-1][0][0] if len(best) == _BUILT_SEEDS else INF)
+        if got is None or (len(best) == _BUILT_SEEDS and (got[0], i) > best[-1][:2]):
+            continue
+        lists = [[model.enc(op) for op in ops] for ops in got[1]]
         if all(peak(o) <= cap for o, cap in zip(lists, caps)):
-            starts.append(lists)
-        if len(starts) == len(seeds) + _BUILT_SEEDS:
-            break
+            best = sorted(best + [(got[0], i, lists)])[:_BUILT_SEEDS]
+    starts = list(seeds) + [lists for _, _, lists in best]
     found: list[tuple[tuple[float, float], Lists]] = []
     share = max(1, budget // 4)
     while starts:
