@@ -494,7 +494,7 @@ def _descend(model: _Model, lists: Lists, t: Timing, caps: list[int], until: int
                     continue
                 old, lists[r] = lists[r], changed
                 trial = model.time(lists, (t, r, at))
-                if trial is not None and _score(trial) < best:
+                if trial is not None and trial.makespan <= best[0] and _score(trial) < best:  # sums only if needed
                     t, best, improved = trial, _score(trial), True
                     break
                 lists[r] = old
