@@ -229,6 +229,24 @@ def test_the_list_schedulers_bound_drops_only_longer_orders(monkeypatch) -> None
     assert optimize_order(sched, costs, max_activations=budget).ops == bounded.ops
 
 
+def test_each_distinct_order_starts_one_search(monkeypatch) -> None:
+    """The list scheduler's rules often build the same order (DualPipe P=4 M=8 under K: five of
+    the six shortest once repeated one order); the search starts once from each distinct one."""
+    sched = build_schedule("dualpipe", 4, 8)
+    starts: list[tuple[int, list]] = []
+    search = optimize._local_search
+
+    def recorded(model, lists, caps, work):
+        starts.append((work, [[o.op for o in ops] for ops in lists]))
+        return search(model, lists, caps, work)
+
+    monkeypatch.setattr(optimize, "_local_search", recorded)
+    optimize_order(sched, stage_costs(sched, "b"), max_activations=-(-3 * deepseek_peak(sched) // 4))
+    first_round = [order for work, order in starts if work == min(w for w, _ in starts)]
+    assert len(first_round) > 1
+    assert all(a != b for i, a in enumerate(first_round) for b in first_round[:i])
+
+
 def test_more_search_work_finds_a_faster_order_within_the_budget() -> None:
     """The work bound is the search's only limit: four times the default finds a shorter order
     under the same budget here (DualPipeV, P=4, M=8, F&B 0.8 of F+B), deterministically."""

@@ -600,7 +600,8 @@ def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
     halving: every start gets a short search (``budget // 4`` op-simulations), the best half
     of them a longer one, and so on until one is left (``budget`` in the last round), so that
     no start is judged by its list-scheduled length alone."""
-    best: list[tuple[tuple[float, float], int, Lists]] = []  # the best few within the caps, sorted
+    best: list[tuple[tuple[float, float], int, Lists, list[list[Op]]]] = []  # the best few within the caps, sorted
+    given = [[[o.op for o in ops] for ops in seed] for seed in seeds]
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
         admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
@@ -612,10 +613,13 @@ def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
         got = _list_schedule(model, caps, rule, ref, best[-1][0][0] if len(best) == _BUILT_SEEDS else INF)
         if got is None or (len(best) == _BUILT_SEEDS and (got[0], i) > best[-1][:2]):
             continue
+        # rules often build the same order: a second search from it would only repeat the first
+        if any(got[1] == order for order in given) or any(got[1] == kept[3] for kept in best):
+            continue
         lists = [[model.enc(op) for op in ops] for ops in got[1]]
         if all(peak(o) <= cap for o, cap in zip(lists, caps)):
-            best = sorted(best + [(got[0], i, lists)])[:_BUILT_SEEDS]
-    starts = list(seeds) + [lists for _, _, lists in best]
+            best = sorted(best + [(got[0], i, lists, got[1])], key=lambda x: x[:2])[:_BUILT_SEEDS]
+    starts = list(seeds) + [kept[2] for kept in best]
     found: list[tuple[tuple[float, float], Lists]] = []
     share = max(1, budget // 4)
     while starts:
