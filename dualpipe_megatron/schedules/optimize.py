@@ -595,8 +595,9 @@ def _split_weight_grads(ops: list[list[Op]]) -> list[list[Op]]:
 
 def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
             rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], Lists]]:
-    """Local search from each seed and from the best orders the list scheduler builds under
-    ``caps`` by any of ``rules`` (and following each order in ``follow``), by successive
+    """Local search from each seed and from the best distinct orders (none equal to a seed) the
+    list scheduler builds under ``caps`` by any of ``rules`` (and following each order in
+    ``follow``), by successive
     halving: every start gets a short search (``budget // 4`` op-simulations), the best half
     of them a longer one, and so on until one is left (``budget`` in the last round), so that
     no start is judged by its list-scheduled length alone."""
