@@ -597,10 +597,10 @@ def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
             rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], Lists]]:
     """Local search from each seed and from the best distinct orders (none equal to a seed) the
     list scheduler builds under ``caps`` by any of ``rules`` (and following each order in
-    ``follow``), by successive
-    halving: every start gets a short search (``budget // 4`` op-simulations), the best half
-    of them a longer one, and so on until one is left (``budget`` in the last round), so that
-    no start is judged by its list-scheduled length alone."""
+    ``follow``), by successive halving: every start gets a short search (``budget // 4``
+    op-simulations), the best half of them a longer one, and so on until one is left
+    (``budget`` in the last round), so that no start is judged by its list-scheduled length
+    alone."""
     best: list[tuple[tuple[float, float], int, Lists, list[list[Op]]]] = []  # the best few within the caps, sorted
     given = [[[o.op for o in ops] for ops in seed] for seed in seeds]
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
