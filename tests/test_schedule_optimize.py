@@ -225,7 +225,11 @@ def test_the_list_schedulers_bound_drops_only_longer_orders(monkeypatch) -> None
                 assert _list_schedule(model, [cap] * sched.ranks, rule, bound=got[0][0]) == got
                 assert _list_schedule(model, [cap] * sched.ranks, rule, bound=0.99 * got[0][0]) is None
     bounded = optimize_order(sched, costs, max_activations=budget)
-    monkeypatch.setattr(optimize, "_list_schedule", lambda *a, bound=float("inf"): _list_schedule(*a))
+
+    def unbounded(model, caps, rule, follow=None, bound=float("inf")):
+        return _list_schedule(model, caps, rule, follow)  # the search passes its bound positionally
+
+    monkeypatch.setattr(optimize, "_list_schedule", unbounded)
     assert optimize_order(sched, costs, max_activations=budget).ops == bounded.ops
 
 
