@@ -218,7 +218,6 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
     depth = Counter((r, d) for (d, _), r in rank.items())
     first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
     held: Counter = Counter()
-    held_on = [0] * model.ranks  # held per rank, all directions
     f_left = Counter()  # F's still to run per (rank, direction)
     for (d, _), r in rank.items():
         f_left[(r, d)] += per
@@ -227,11 +226,10 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         return None
     window = _windows(model, caps) if rule.windows else None
     live_at: Counter = Counter()  # live activations per stage
-    # for the bound: each rank's F still to run (left: F and B), and their work (a B's with its weight
-    # grad), less what pairing them could save at most
-    f_rest, work = [0] * P, [0.0] * P
+    # for the bound: the work of each rank's F's and B's still to run (a B's with its weight grad),
+    # less what pairing them could save at most
+    work = [0.0] * P
     for ds in rank:
-        f_rest[rank[ds]] += per
         work[rank[ds]] += per * (model.F[ds] + model.B[ds])
     pairs = rule.pair or follow is not None
     saves = [max([0.0] + [model.F[f] + model.B[b] - model.fb(f, b) for f in model.stages_on[r]
@@ -256,7 +254,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
             return False
         if share is not None:
             return held[(r, d)] + need <= share[(r, d)]
-        return held_on[r] + need <= caps[r]
+        return sum(held[(r, y)] for y in range(model.directions)) + need <= caps[r]
 
     def lat(src: tuple[int, int], r: int) -> float:
         return c if rank[src] != r else 0.0
@@ -342,14 +340,10 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         for h in halves(op):
             k, ds, row = h.key, (h.key.d, h.key.s), kind(h)
             held[(r, k.d)] -= row.frees
-            held_on[r] -= row.frees
             live_at[ds] += row.starts - row.frees
             if isinstance(h, F):
                 work[r] -= model.F[ds]
-                f_rest[r] -= 1
-                claim = (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
-                held[(r, k.d)] += claim
-                held_on[r] += claim
+                held[(r, k.d)] += (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
                 next_f[ds] += 1
                 f_left[(r, k.d)] -= 1
                 left[r] -= 1
@@ -368,7 +362,8 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                     pending[r].append(k)
             else:
                 work[r] -= model.W[ds]
-        if end + work[r] - min(f_rest[r], left[r] - f_rest[r]) * saves[r] > slack:
+        f_now = sum(f_left[(r, y)] for y in range(model.directions))  # left counts F's and B's
+        if end + work[r] - min(f_now, left[r] - f_now) * saves[r] > slack:
             return None
     if any(left) or any(pending):
         return None  # a rank stalled for memory
