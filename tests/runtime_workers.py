@@ -229,7 +229,7 @@ def bad_calls(rank: int, world: int) -> dict[str, str]:
 
 def run_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Every case in order; the first failure stops the launch (the group may be out of step)."""
-    results: dict[str, Any] = {"bad_calls": bad_calls(rank, world)}
+    results: dict[str, Any] = {"bad_calls": bad_calls(rank, world), "shared_search": shared_search(rank, world)}
     for case in cases:
         if case["schedule"] == "compat":
             results[case["id"]] = compat_example(rank, world, case["variant"])
@@ -461,6 +461,35 @@ def mismatched_plans(rank: int, world: int) -> dict[str, Any]:
     except PipelineCommError as exc:
         return {"error": str(exc)}
     return {"error": None}
+
+
+def shared_search(rank: int, world: int) -> dict[str, Any]:
+    """The ranks share the op-order search (DualPipeV, M = 4P, F&B 0.8 of F+B, K = 4 below
+    DeepSeek's peak of 2P+1, little work): the order equals one process's; ranks with other
+    inputs (rank 1), and a piece that raises on one rank (task P+1, on rank 1), raise on every
+    rank instead of leaving the others waiting."""
+    from dualpipe_megatron.runtime import PlanMismatchError
+    from dualpipe_megatron.runtime.shared_search import RankWorkers, SearchFailedError
+    from dualpipe_megatron.schedules import Costs, build_schedule
+    from dualpipe_megatron.schedules.optimize import optimize_order
+
+    group = dist.group.WORLD
+    sched = build_schedule("dualpipev", world, 4 * world)
+    costs = Costs.of(1, 2, "0.5", "2.4")
+    shared = optimize_order(sched, costs, max_activations=4, work=20_000,
+                            workers=RankWorkers(group, {"costs": repr(costs)}))
+    alone = optimize_order(sched, costs, max_activations=4, work=20_000)
+    out: dict[str, Any] = {"same": shared.ops == alone.ops, "reordered": shared.ops != sched.ops}
+    try:
+        RankWorkers(group, {"costs": repr(costs), "budget": str(4 + (rank == 1))})
+    except PlanMismatchError as exc:
+        out["mismatch"] = str(exc)
+    try:
+        RankWorkers(group, {}).map(lambda task: 1 // (task - world - 1), list(range(2 * world)))
+    except SearchFailedError as exc:
+        out["failed"] = str(exc)
+    out["merged"] = RankWorkers(group, {}).map(lambda task: (task, rank), list(range(5)))
+    return out
 
 
 class KillingBlock(FailingBlock):

@@ -175,6 +175,17 @@ def test_bad_calls_fail_before_communicating(world: int, name: str) -> None:
     assert BAD_CALLS[name] in messages[name], f"{name}: {messages[name]!r}"
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_share_the_op_order_search(world: int) -> None:
+    """runtime/shared_search.py: each rank runs its pieces, every rank gets every result."""
+    for rank, result in enumerate(r["shared_search"] for r in launched(world)):
+        assert result["same"] and result["reordered"], (rank, result)
+        assert "pipeline ranks [1] would optimize the op order from other inputs than rank 0 (budget differ" \
+            in result["mismatch"], result
+        assert "failed on pipeline rank 1: ZeroDivisionError" in result["failed"], result
+        assert result["merged"] == [(task, task % world) for task in range(5)], result
+
+
 def _assert_peers_raised(results: list, failed: int, limit: float) -> list[str]:
     """Every rank but ``failed`` raised PipelineCommError naming itself and a peer within ``limit`` s."""
     messages = []

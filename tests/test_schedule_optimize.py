@@ -251,6 +251,35 @@ def test_each_distinct_order_starts_one_search(monkeypatch) -> None:
     assert all(a != b for i, a in enumerate(first_round) for b in first_round[:i])
 
 
+class LastFirstWorkers:
+    """``count`` workers in one process, the pieces run last first: no piece may see another's
+    results or depend on what ran before it (the pipeline ranks run them apart)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.calls: list[int] = []
+
+    def map(self, fn, tasks):
+        self.calls.append(len(tasks))
+        got = {i: fn(tasks[i]) for i in reversed(range(len(tasks)))}
+        return [got[i] for i in range(len(tasks))]
+
+
+@pytest.mark.parametrize("count", [2, 16])
+def test_the_order_is_the_same_for_any_number_of_workers(count: int) -> None:
+    """optimize.Workers: the list schedules parted among workers (each bounded by its own part's
+    sixth best), the searches and the exact checks run apart, give the order one worker finds
+    (DualPipe P=4 M=8, K one below DeepSeek's peak; per-stage costs). A piece that depended on
+    what ran before it (say, one random stream for all searches) would fail this."""
+    sched = build_schedule("dualpipe", 4, 8)
+    costs = stage_costs(sched, "c")
+    budget = deepseek_peak(sched) - 1
+    workers = LastFirstWorkers(count)
+    assert optimize_order(sched, costs, max_activations=budget, workers=workers).ops == \
+        optimize_order(sched, costs, max_activations=budget).ops
+    assert workers.calls[0] == count and len(workers.calls) > 2  # parted list schedules, then searches
+
+
 def test_more_search_work_finds_a_faster_order_within_the_budget() -> None:
     """The work bound is the search's only limit: four times the default finds a shorter order
     under the same budget here (DualPipeV, P=4, M=8, F&B 0.8 of F+B), deterministically."""

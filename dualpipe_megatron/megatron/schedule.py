@@ -30,6 +30,7 @@ from ..runtime.agreement import check_plan_agreement
 from ..runtime.executor import Executor, StepStats
 from ..runtime.p2p import DistTransport, P2P
 from ..runtime.plan import MessagePlan
+from ..runtime.shared_search import RankWorkers
 from ..schedules import Schedule, ScheduleError, build_schedule, simulate, validate
 from ..schedules.optimize import min_activations, optimize_order
 from ..schedules.simulate import Costs, StageCosts
@@ -136,7 +137,8 @@ def _schedule(options: DualPipeOptions, group: dist.ProcessGroup, microbatches: 
     if key not in plans:
         sched = options.job.schedules.get((ranks, microbatches))
         if sched is None:
-            sched = options.job.schedules[(ranks, microbatches)] = training_order(options, ranks, microbatches)
+            sched = options.job.schedules[(ranks, microbatches)] = training_order(options, ranks, microbatches,
+                                                                                   group)
         check_plan_agreement(sched, forward_only, group, device)
         plans[key] = (sched, MessagePlan.build(sched, rank, forward_only))
     return plans[key]
@@ -159,11 +161,13 @@ def order_costs(options: DualPipeOptions) -> Costs | StageCosts | None:
     return Costs.of() if options.optimize_for is None else options.optimize_for
 
 
-def training_order(options: DualPipeOptions, ranks: int, microbatches: int) -> Schedule:
+def training_order(options: DualPipeOptions, ranks: int, microbatches: int,
+                   group: dist.ProcessGroup | None = None) -> Schedule:
     """The op order a job with ``options`` runs: DeepSeek's, or the one optimized for
     ``options.optimize_for`` (the uniform costs when only a budget is set) within
     ``options.max_activations`` (said once on global rank 0). Public so that the launch plan
-    plans this very order; under a budget at large P and M it takes seconds (tens at P=16)."""
+    plans this very order. With the pipeline ``group`` (a collective) its ranks share the search
+    (runtime/shared_search.py): the same order, each rank running a part of it."""
     try:
         sched = build_schedule(options.schedule, ranks, microbatches)
     except ScheduleError as exc:
@@ -174,8 +178,10 @@ def training_order(options: DualPipeOptions, ranks: int, microbatches: int) -> S
         return sched
     if budget is not None:
         check_activation_budget(sched, budget)
+    workers = (RankWorkers(group, {"schedule": sched.to_json(), "costs": repr(costs), "budget": repr(budget)})
+               if group is not None and group.size() > 1 else None)
     try:
-        optimized = optimize_order(sched, costs, max_activations=budget)
+        optimized = optimize_order(sched, costs, max_activations=budget, workers=workers)
     except ScheduleError as exc:
         raise ValueError(f"--dualpipe-max-activations {budget}: {exc}") from None
     if dist.is_initialized() and dist.get_rank() == 0:

@@ -28,7 +28,7 @@ import heapq
 import random
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from .events import KINDS, Encoder, TimedOp, Timing, kind, peak, peak_live_activations, timing
 from .ir import B, F, FB, Key, Op, Schedule, ScheduleError, W, halves
@@ -588,50 +588,101 @@ def _split_weight_grads(ops: list[list[Op]]) -> list[list[Op]]:
     return out
 
 
-def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int,
-            rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], Lists]]:
+class Workers(Protocol):
+    """Where the search's independent pieces run: ``map`` runs ``fn`` on every task (task i on
+    worker i % ``count``) and returns every result, in task order, to every caller. A piece's
+    result depends only on its task and is plain data (ops, scores), so the order found is the
+    same for any count: the pipeline ranks of a training job share the search this way
+    (:class:`~dualpipe_megatron.runtime.rank_workers.RankWorkers`)."""
+
+    count: int
+
+    def map(self, fn: Callable[[Any], Any], tasks: Sequence[Any]) -> list[Any]: ...
+
+
+class SerialWorkers:
+    """Every piece here, in task order."""
+
+    count = 1
+
+    def map(self, fn: Callable[[Any], Any], tasks: Sequence[Any]) -> list[Any]:
+        return [fn(task) for task in tasks]
+
+
+_Built = tuple[tuple[float, float], int, list[list[Op]]]  # a list schedule: score, candidate index, order
+
+
+def _keep(best: list[_Built], entry: _Built) -> list[_Built]:
+    """``best`` (at most _BUILT_SEEDS distinct orders, by score, then candidate index) offered
+    ``entry``: rules often build the same order, and a second search from it would only repeat
+    the first."""
+    if len(best) == _BUILT_SEEDS and entry[:2] > best[-1][:2]:
+        return best
+    if any(entry[2] == kept[2] for kept in best):
+        return best
+    return sorted(best + [entry], key=lambda x: x[:2])[:_BUILT_SEEDS]
+
+
+def _build(model: _Model, caps: list[int], candidates: list, given: list[list[list[Op]]],
+           part: list[int]) -> list[_Built]:
+    """The list schedules of ``candidates[i]`` for i in ``part``, last first, that complete within
+    the caps and differ from the seeds (``given``). Each stops once its makespan is sure to exceed
+    the sixth best of this part's so far; the sixth best of all candidates is never longer, so
+    every order among the best of all candidates is returned, however they are parted."""
+    best: list[_Built] = []
+    out: list[_Built] = []
+    for i in sorted(part, reverse=True):
+        rule, ref = candidates[i]
+        got = _list_schedule(model, caps, rule, ref, best[-1][0][0] if len(best) == _BUILT_SEEDS else INF)
+        if got is None or any(got[1] == order for order in given):
+            continue
+        if all(peak_live_activations(ops) <= cap for ops, cap in zip(got[1], caps)):
+            out.append((got[0], i, got[1]))
+            best = _keep(best, out[-1])
+    return out
+
+
+def _searched(model: _Model, start: Lists, caps: list[int], work: int) -> tuple[tuple[float, float], list[list[Op]]]:
+    """:func:`_local_search` from ``start``, as plain data (its score and order)."""
+    lists, t = _local_search(model, [list(o) for o in start], caps, work)
+    return _score(t), [[o.op for o in ops] for ops in lists]
+
+
+def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int, workers: Workers,
+            rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], list[list[Op]]]]:
     """Local search from each seed and from the best distinct orders (none equal to a seed) the
     list scheduler builds under ``caps`` by any of ``rules`` (and following each order in
     ``follow``), by successive halving: every start gets a short search (``budget // 4``
     op-simulations), the best half of them a longer one, and so on until one is left
     (``budget`` in the last round), so that no start is judged by its list-scheduled length
-    alone."""
-    best: list[tuple[tuple[float, float], int, Lists, list[list[Op]]]] = []  # the best few within the caps, sorted
+    alone. Every list schedule and every search is one piece for ``workers``."""
     given = [[[o.op for o in ops] for ops in seed] for seed in seeds]
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
         admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
     candidates = [(rule, None) for rule in rules] + [(rule, ref) for ref in follow for rule in admits.values()]
     # the last candidates (following an order, windowed entry) are most often the shortest: tried
-    # first, they set the bound early; one whose makespan is sure to exceed the current sixth best's
-    # cannot be among the best
-    for i, (rule, ref) in reversed(list(enumerate(candidates))):
-        got = _list_schedule(model, caps, rule, ref, best[-1][0][0] if len(best) == _BUILT_SEEDS else INF)
-        if got is None or (len(best) == _BUILT_SEEDS and (got[0], i) > best[-1][:2]):
-            continue
-        # rules often build the same order: a second search from it would only repeat the first
-        if any(got[1] == order for order in given) or any(got[1] == kept[3] for kept in best):
-            continue
-        lists = [[model.enc(op) for op in ops] for ops in got[1]]
-        if all(peak(o) <= cap for o, cap in zip(lists, caps)):
-            best = sorted(best + [(got[0], i, lists, got[1])], key=lambda x: x[:2])[:_BUILT_SEEDS]
-    starts = list(seeds) + [kept[2] for kept in best]
-    found: list[tuple[tuple[float, float], Lists]] = []
+    # first, they set the bound early
+    parts = [list(range(w, len(candidates), workers.count)) for w in range(workers.count)]
+    built = [entry for got in workers.map(lambda part: _build(model, caps, candidates, given, part), parts)
+             for entry in got]
+    best: list[_Built] = []
+    for entry in sorted(built, key=lambda x: -x[1]):  # as if one part had built them all
+        best = _keep(best, entry)
+    starts = list(seeds) + [[[model.enc(op) for op in ops] for ops in kept[2]] for kept in best]
+    found: list[tuple[tuple[float, float], list[list[Op]]]] = []
     share = max(1, budget // 4)
     while starts:
-        ranked = []
-        for lists in starts:
-            lists, t = _local_search(model, [list(o) for o in lists], caps, share)
-            ranked.append((_score(t), len(ranked), lists))
-        ranked.sort()
-        found += [(score, lists) for score, _, lists in ranked]
-        starts = [lists for _, _, lists in ranked[:len(ranked) // 2]]
+        ranked = sorted((score, k, ops) for k, (score, ops) in
+                        enumerate(workers.map(lambda start: _searched(model, start, caps, share), starts)))
+        found += [(score, ops) for score, _, ops in ranked]
+        starts = [[[model.enc(op) for op in o] for o in ops] for _, _, ops in ranked[:len(ranked) // 2]]
         share = min(budget, 2 * share)
     return found
 
 
 def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[int] = None,
-                   work: int = SEARCH_WORK) -> Schedule:
+                   work: int = SEARCH_WORK, workers: Optional[Workers] = None) -> Schedule:
     """A reordering of ``sched`` (same placement and micro-batches); deterministic.
 
     Without ``max_activations`` it is never slower under ``costs`` and never raises any rank's
@@ -642,12 +693,14 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
 
     ``work`` bounds the search in op-simulations (not seconds, so every rank finds the same
     order); more work finds better orders, slower: ten times the default takes about ten
-    times as long.
+    times as long. ``workers`` (default: all here) share its independent pieces (list schedules,
+    searches, exact checks); the order is the same for any workers.
     """
     if max_activations is not None and max_activations < min_activations(sched):
         raise ScheduleError(
             f"max activations {max_activations} is below the minimum {min_activations(sched)} that any "
             f"order of {sched.name} at P={sched.ranks} needs (live (d,s,m) per rank)")
+    workers = SerialWorkers() if workers is None else workers
     model = _Model(sched, costs)
     base_lists = [[model.enc(op) for op in ops] for ops in sched.ops]
     split_ops = _split_weight_grads(sched.ops)
@@ -659,24 +712,26 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     # timings' worth per SEARCH_WORK of work
     budget = n_ops * max(_MIN_EVALS, min(_MAX_EVALS * work // SEARCH_WORK, work // max(1, n_ops)))
     own = [peak_live_activations(ops) for ops in sched.ops]
-    base = simulate(sched, costs)
     fits = max_activations is None or max(own, default=0) <= max_activations
-    found = _search(model, own, [base_lists, split_lists], budget) if fits else []
+    base = simulate(sched, costs).makespan if fits else None  # the input's step: the bar to beat when it fits
+    found = _search(model, own, [base_lists, split_lists], budget, workers) if fits else []
     caps = own if max_activations is None else [max_activations] * sched.ranks
     if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
         rules = _RULES + tuple(r for r in _BUDGET_RULES if not r.split or sched.directions > 1)
         follow = (_Reference(sched.ops), _Reference(split_ops))
         # an input above the budget skips the search under its own peaks: this one gets its work too
         found += _search(model, caps, [base_lists, split_lists] if fits else [], budget if fits else 2 * budget,
-                         rules, follow)
+                         workers, rules, follow)
         if not found:
-            found = _search(model, caps, [[[model.enc(op) for op in ops] for ops in _sequential(model)]], budget)
-    ranked = [(score, i, lists) for i, (score, lists) in enumerate(found)]
-    for score, _, lists in sorted(ranked, key=lambda x: (x[0], x[1])):
-        if fits and score[0] >= float(base.makespan):
-            break
-        out = _named(sched, [[o.op for o in ops] for ops in lists])
-        if _fits(out, costs, caps, base.makespan if fits else None):
+            found = _search(model, caps, [[[model.enc(op) for op in ops] for ops in _sequential(model)]], budget,
+                            workers)
+    # the exact check, shortest first, of those shorter than the input (the first usually fits:
+    # one worker checks each, and every caller learns the answer)
+    ranked = sorted(((score, i, ops) for i, (score, ops) in enumerate(found)
+                     if base is None or score[0] < float(base)), key=lambda x: x[:2])
+    for _, _, ops in ranked:
+        out = _named(sched, ops)
+        if workers.map(lambda new: _fits(new, costs, caps, base), [out])[0]:
             return out
     if not fits:
         raise ScheduleError(f"no order of {sched.name} at P={sched.ranks} found within "
@@ -696,4 +751,4 @@ def _fits(new: Schedule, costs: AnyCosts, caps: list[int], makespan) -> bool:
         peak_live_activations(ops) <= cap for ops, cap in zip(new.ops, caps))
 
 
-__all__ = ["min_activations", "optimize_order"]
+__all__ = ["SerialWorkers", "Workers", "min_activations", "optimize_order"]

@@ -1,0 +1,90 @@
+"""The op-order search on the training path: every pipeline rank running all of it, against the
+ranks sharing it (runtime/shared_search.py), in real processes on this machine.
+
+Run ``.venv/bin/python bench/shared_search.py [-P 16] [-M 128] [--budgets 25,none]``; not part of
+``make test``. It starts P gloo processes; for each budget each rank times, from a common
+barrier, the search alone (what every rank did before: all ranks at once, each running the
+whole search) and shared (rank r runs pieces r, r + P, ...; an all-gather gives every rank every
+result), and checks both give the same order. It prints the slowest rank's seconds per mode, and
+one process running the search with the machine to itself. With P processes on a machine with
+fewer cores they share the cores: the time all ranks need is the figure, not one rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from typing import Optional
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dualpipe_megatron.runtime.shared_search import RankWorkers
+from dualpipe_megatron.schedules import Costs, build_schedule
+from dualpipe_megatron.schedules.cli import markdown_table
+from dualpipe_megatron.schedules.optimize import optimize_order
+
+
+def _timed(sched, budget: Optional[int], workers: Optional[RankWorkers]) -> tuple[float, list]:
+    dist.barrier()
+    start = time.perf_counter()
+    out = optimize_order(sched, Costs.of(), max_activations=budget, workers=workers)
+    return time.perf_counter() - start, out.ops
+
+
+def _rank(rank: int, ranks: int, port: int, microbatches: int, budgets: list, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    sched = build_schedule("dualpipev", ranks, microbatches)
+    for budget in budgets:
+        alone, ops_alone = _timed(sched, budget, None)
+        shared, ops_shared = _timed(sched, budget, RankWorkers(dist.group.WORLD, {"budget": repr(budget)}))
+        results.put((budget, rank, alone, shared, ops_alone == ops_shared))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-P", "--ranks", type=int, default=16)
+    parser.add_argument("-M", "--microbatches", type=int, default=128)
+    parser.add_argument("--budgets", default="25,none", help="comma-separated K per rank, or none")
+    args = parser.parse_args()
+    budgets = [None if b == "none" else int(b) for b in args.budgets.split(",")]
+    sched = build_schedule("dualpipev", args.ranks, args.microbatches)
+    one = {}
+    for budget in budgets:
+        start = time.perf_counter()
+        optimize_order(sched, Costs.of(), max_activations=budget)
+        one[budget] = time.perf_counter() - start
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.microbatches, budgets, results))
+             for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=1800) for _ in range(args.ranks * len(budgets))]
+    for p in procs:
+        p.join()
+    rows = []
+    for budget in budgets:
+        mine = [g for g in got if g[0] == budget]
+        rows.append([f"K = {budget}" if budget is not None else "no budget", f"{one[budget]:.1f}",
+                     f"{max(g[2] for g in mine):.1f}", f"{max(g[3] for g in mine):.1f}",
+                     str(all(g[4] for g in mine))])
+    print(f"DualPipeV P={args.ranks} M={args.microbatches}, uniform costs, {os.cpu_count()} CPUs")
+    print(markdown_table(["budget", "one process alone (s)", f"{args.ranks} ranks, each all of it (s)",
+                          f"{args.ranks} ranks sharing it (s)", "same order"], rows))
+
+
+if __name__ == "__main__":
+    main()
