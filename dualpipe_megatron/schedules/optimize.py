@@ -19,7 +19,9 @@ direction are in flight), and orders that follow the input's op ranks and pairs 
 cap. The one-micro-batch-at-a-time order, which meets the minimum (:func:`min_activations`), is
 the fallback start. The search is bounded by work, not time, and deterministic; it times
 schedules with floats, re-timing only what follows a move (:func:`~.events.timing`'s
-``since``), and only the final check is exact.
+``since``), and only the final check is exact. Its pieces (each list schedule, each search,
+each exact check) are independent, so :class:`Workers` may run them apart (the pipeline ranks
+of a training job do) and the order is the same.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class _Model:
         self.encoder = Encoder(sched)
         self.durations: list[float] = []
         self._cache: dict[Op, TimedOp] = {}
+        self._unpacked: dict[tuple[int, ...], Op] = {}
         self.spent = 0  # ops timed so far: the search's work
 
     def enc(self, op: Op) -> TimedOp:
@@ -79,6 +82,19 @@ class _Model:
             got = self._cache[op] = self.encoder.encode(op, len(self.durations), self.c, 0.0)
             self.durations.append(self.duration(op))
         return got
+
+    def unpack(self, rows: "Packed") -> list[list[Op]]:
+        """The ops of :func:`_pack`'s rows (one shared object per op)."""
+        cache, out = self._unpacked, []
+        for row in rows:
+            ops = []
+            for t in row:
+                op = cache.get(t)
+                if op is None:
+                    op = cache[t] = _unpack_op(t)
+                ops.append(op)
+            out.append(ops)
+        return out
 
     def time(self, lists: "Lists", since: Optional[tuple[Timing, int, int]] = None) -> Optional[Timing]:
         """Float timing with simulate()'s rules; None when the order is invalid (a rank stalls).
@@ -100,6 +116,26 @@ class _Model:
 
 
 Lists = list[list[TimedOp]]
+Packed = list[list[tuple[int, ...]]]  # an order as tuples of ints (:func:`_pack`)
+
+
+def _pack_single(op: Op) -> tuple[int, ...]:
+    k = op.key
+    return (0 if isinstance(op, F) else 3 if isinstance(op, W) else 2 if op.w else 1, k.d, k.s, k.m)
+
+
+def _pack(ops: list[list[Op]]) -> Packed:
+    """An order as tuples of ints, which workers hand each other far faster than op objects:
+    (kind, d, s, m) with kind 0 F, 1 B(w=false), 2 B, 3 W; an F&B pair as its halves' two."""
+    return [[_pack_single(op.f) + _pack_single(op.b) if isinstance(op, FB) else _pack_single(op)
+             for op in row] for row in ops]
+
+
+def _unpack_op(t: tuple[int, ...]) -> Op:
+    if len(t) == 8:
+        return FB(_unpack_op(t[:4]), _unpack_op(t[4:]))
+    key = Key(*t[1:])
+    return F(key) if t[0] == 0 else W(key) if t[0] == 3 else B(key, t[0] == 2)
 
 
 def _score(t: Timing) -> tuple[float, float]:
@@ -609,7 +645,7 @@ class SerialWorkers:
         return [fn(task) for task in tasks]
 
 
-_Built = tuple[tuple[float, float], int, list[list[Op]]]  # a list schedule: score, candidate index, order
+_Built = tuple[tuple[float, float], int, Packed]  # a list schedule: score, candidate index, order
 
 
 def _keep(best: list[_Built], entry: _Built) -> list[_Built]:
@@ -637,26 +673,27 @@ def _build(model: _Model, caps: list[int], candidates: list, given: list[list[li
         if got is None or any(got[1] == order for order in given):
             continue
         if all(peak_live_activations(ops) <= cap for ops, cap in zip(got[1], caps)):
-            out.append((got[0], i, got[1]))
+            out.append((got[0], i, _pack(got[1])))
             best = _keep(best, out[-1])
     return out
 
 
-def _searched(model: _Model, start: Lists, caps: list[int], work: int) -> tuple[tuple[float, float], list[list[Op]]]:
-    """:func:`_local_search` from ``start``, as plain data (its score and order)."""
-    lists, t = _local_search(model, [list(o) for o in start], caps, work)
-    return _score(t), [[o.op for o in ops] for ops in lists]
+def _searched(model: _Model, start: list[list[Op]], caps: list[int], work: int) -> tuple[tuple[float, float], Packed]:
+    """:func:`_local_search` from ``start``, as plain data (its score and order); the start is
+    encoded here, by the worker that searches it."""
+    lists, t = _local_search(model, [[model.enc(op) for op in ops] for ops in start], caps, work)
+    return _score(t), _pack([[o.op for o in ops] for ops in lists])
 
 
-def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int, workers: Workers,
-            rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], list[list[Op]]]]:
+def _search(model: _Model, caps: list[int], seeds: list[list[list[Op]]], budget: int, workers: Workers,
+            rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], Packed]]:
     """Local search from each seed and from the best distinct orders (none equal to a seed) the
     list scheduler builds under ``caps`` by any of ``rules`` (and following each order in
     ``follow``), by successive halving: every start gets a short search (``budget // 4``
     op-simulations), the best half of them a longer one, and so on until one is left
     (``budget`` in the last round), so that no start is judged by its list-scheduled length
     alone. Every list schedule and every search is one piece for ``workers``."""
-    given = [[[o.op for o in ops] for ops in seed] for seed in seeds]
+    given = seeds
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
         admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
@@ -669,14 +706,14 @@ def _search(model: _Model, caps: list[int], seeds: list[Lists], budget: int, wor
     best: list[_Built] = []
     for entry in sorted(built, key=lambda x: -x[1]):  # as if one part had built them all
         best = _keep(best, entry)
-    starts = list(seeds) + [[[model.enc(op) for op in ops] for ops in kept[2]] for kept in best]
-    found: list[tuple[tuple[float, float], list[list[Op]]]] = []
+    starts = list(seeds) + [model.unpack(kept[2]) for kept in best]
+    found: list[tuple[tuple[float, float], Packed]] = []
     share = max(1, budget // 4)
     while starts:
         ranked = sorted((score, k, ops) for k, (score, ops) in
                         enumerate(workers.map(lambda start: _searched(model, start, caps, share), starts)))
         found += [(score, ops) for score, _, ops in ranked]
-        starts = [[[model.enc(op) for op in o] for o in ops] for _, _, ops in ranked[:len(ranked) // 2]]
+        starts = [model.unpack(ops) for _, _, ops in ranked[:len(ranked) // 2]]
         share = min(budget, 2 * share)
     return found
 
@@ -702,10 +739,8 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
             f"order of {sched.name} at P={sched.ranks} needs (live (d,s,m) per rank)")
     workers = SerialWorkers() if workers is None else workers
     model = _Model(sched, costs)
-    base_lists = [[model.enc(op) for op in ops] for ops in sched.ops]
     split_ops = _split_weight_grads(sched.ops)
-    split_lists = [[model.enc(op) for op in ops] for ops in split_ops]
-    n_ops = sum(map(len, base_lists))
+    n_ops = sum(map(len, sched.ops))
     if work < 1:
         raise ScheduleError(f"search work must be positive, got {work}")
     # op-simulations per start: the work, but at least _MIN_EVALS and at most _MAX_EVALS full
@@ -713,24 +748,25 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     budget = n_ops * max(_MIN_EVALS, min(_MAX_EVALS * work // SEARCH_WORK, work // max(1, n_ops)))
     own = [peak_live_activations(ops) for ops in sched.ops]
     fits = max_activations is None or max(own, default=0) <= max_activations
-    base = simulate(sched, costs).makespan if fits else None  # the input's step: the bar to beat when it fits
-    found = _search(model, own, [base_lists, split_lists], budget, workers) if fits else []
+    # the input's exact step (which validates it): one worker times it, every caller learns it
+    step = workers.map(lambda given: simulate(given, costs).makespan, [sched])[0]
+    base = step if fits else None  # the bar to beat
+    found = _search(model, own, [sched.ops, split_ops], budget, workers) if fits else []
     caps = own if max_activations is None else [max_activations] * sched.ranks
     if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
         rules = _RULES + tuple(r for r in _BUDGET_RULES if not r.split or sched.directions > 1)
         follow = (_Reference(sched.ops), _Reference(split_ops))
         # an input above the budget skips the search under its own peaks: this one gets its work too
-        found += _search(model, caps, [base_lists, split_lists] if fits else [], budget if fits else 2 * budget,
+        found += _search(model, caps, [sched.ops, split_ops] if fits else [], budget if fits else 2 * budget,
                          workers, rules, follow)
         if not found:
-            found = _search(model, caps, [[[model.enc(op) for op in ops] for ops in _sequential(model)]], budget,
-                            workers)
-    # the exact check, shortest first, of those shorter than the input (the first usually fits:
-    # one worker checks each, and every caller learns the answer)
+            found = _search(model, caps, [_sequential(model)], budget, workers)
+    # the exact check, shortest first, of those shorter than the input when it fits (the first
+    # usually fits): one worker each, and every caller learns the answer
     ranked = sorted(((score, i, ops) for i, (score, ops) in enumerate(found)
                      if base is None or score[0] < float(base)), key=lambda x: x[:2])
     for _, _, ops in ranked:
-        out = _named(sched, ops)
+        out = _named(sched, model.unpack(ops))
         if workers.map(lambda new: _fits(new, costs, caps, base), [out])[0]:
             return out
     if not fits:
