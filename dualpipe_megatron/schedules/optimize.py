@@ -629,7 +629,7 @@ class Workers(Protocol):
     worker i % ``count``) and returns every result, in task order, to every caller. A piece's
     result depends only on its task and is plain data (ops, scores), so the order found is the
     same for any count: the pipeline ranks of a training job share the search this way
-    (:class:`~dualpipe_megatron.runtime.rank_workers.RankWorkers`)."""
+    (:class:`~dualpipe_megatron.runtime.shared_search.RankWorkers`)."""
 
     count: int
 
@@ -693,7 +693,6 @@ def _search(model: _Model, caps: list[int], seeds: list[list[list[Op]]], budget:
     op-simulations), the best half of them a longer one, and so on until one is left
     (``budget`` in the last round), so that no start is judged by its list-scheduled length
     alone. Every list schedule and every search is one piece for ``workers``."""
-    given = seeds
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
         admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
@@ -701,7 +700,7 @@ def _search(model: _Model, caps: list[int], seeds: list[list[list[Op]]], budget:
     # the last candidates (following an order, windowed entry) are most often the shortest: tried
     # first, they set the bound early
     parts = [list(range(w, len(candidates), workers.count)) for w in range(workers.count)]
-    built = [entry for got in workers.map(lambda part: _build(model, caps, candidates, given, part), parts)
+    built = [entry for got in workers.map(lambda part: _build(model, caps, candidates, seeds, part), parts)
              for entry in got]
     best: list[_Built] = []
     for entry in sorted(built, key=lambda x: -x[1]):  # as if one part had built them all

@@ -1,0 +1,295 @@
+"""How close to DeepSeek's step can any DualPipeV order get under an activation budget K?
+
+``bench/schedule_budget.py`` compares DeepSeek's order with what the heuristic optimizer
+(:func:`~dualpipe_megatron.schedules.optimize.optimize_order`) finds within K live (d,s,m) per
+rank; this script asks CP-SAT about every order of the same placement, warm-up and cool-down
+included, to find a shorter one or a lower bound on the makespan that the heuristic's gap can be
+judged against.
+
+The model, in integer tenths of the cost unit: each (s,m) has an F, a B (input grads only) and a
+W, with a start each. An F and a B on one rank may run as one F&B pair (a bool per candidate
+pair): both start together and both end ``fb - W`` later; an unpaired F lasts F, an unpaired B
+``B - W``, a W lasts W. A rank runs one op at a time (NoOverlap) and holds (s,m) live from its
+F's start to its W's end, at most K at once (Cumulative); the project's dependencies
+(``events.KINDS``) hold, plus ``--c`` on a hop between ranks. The objective is the makespan.
+
+Assumptions, which is what the lower bound covers:
+
+- Split backwards only. A full backward (alone or in a pair) is never better than the split one
+  followed at once by its W: same rank time, same activation lifetime, and its input grads
+  leave earlier. So this loses no order's makespan.
+- Micro-batches in order per stage (F(s,m) before F(s,m+1), likewise B and W), as DeepSeek's
+  order keeps them (the optimizer's may swap W's of a stage: the hint sorts them, which changes
+  neither validity nor live counts). It is a symmetry break, not proved
+  harmless: the bound holds over orders that keep micro-batches in order per stage. With it a
+  pair's B has an earlier micro-batch than its F (a later one depends on that F), so only those
+  candidate pairs are made.
+- ``--window N`` keeps only pairs with ``m_F - m_B <= N``: a smaller model, but then the bound
+  is no longer a bound on every order (the script says so).
+
+CP-SAT starts from the optimizer's order under K (a hint, and its makespan as the horizon, so
+what is found is never worse, and INFEASIBLE means no such order is shorter). A solution is turned into op lists (pairs as
+``FB(F, B(w=False))``, each rank's ops by start) and checked with the project's ``validate``,
+``simulate`` (no longer than CP-SAT's makespan) and ``peak_live_activations`` (<= K). Needs
+``pip install ortools`` (not in requirements.txt). Example (the "uniform F1 B2 W0.5 FB2.4" set
+of ``bench/schedule_budget.py``; with one worker CP-SAT's default search barely moves from the
+start, ``interleave_search`` runs its portfolio, LNS included, in that one thread):
+
+    python bench/finite_budget.py -P 4 -M 16 -K 7 --seconds 150 --params interleave_search=True
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+import time
+from fractions import Fraction
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dualpipe_megatron.schedules import B, F, FB, Key, Schedule, W, build_schedule, simulate, validate  # noqa: E402
+from dualpipe_megatron.schedules.events import peak_live_activations  # noqa: E402
+from dualpipe_megatron.schedules.ir import halves  # noqa: E402
+from dualpipe_megatron.schedules.simulate import Costs, StageCosts  # noqa: E402
+
+
+def project_costs(sched: Schedule, tenths: dict[str, int]) -> StageCosts:
+    """The project's cost object for the same figures (full B and full F&B, as Costs takes them)."""
+    return StageCosts.uniform(sched, Costs.of(*(Fraction(tenths[k], 10) for k in ("F", "B", "W", "fb", "c"))))
+
+
+def hint_from(sched: Schedule, costs: StageCosts) -> dict[tuple[str, int, int], tuple[int, object]]:
+    """Starts (in tenths) of an order's ops, full backwards as split ones with their W right after:
+    {(kind, s, m): (start, partner key of a pair or None)}."""
+    run = simulate(sched, costs)
+    got: dict = {}
+    for rank, ops in enumerate(sched.ops):
+        for op, at in zip(ops, run.start[rank]):
+            t = at * 10
+            assert t.denominator == 1, "hint times must be whole tenths"
+            t = int(t)
+            pair = isinstance(op, FB)
+            for h in halves(op):
+                k = (h.key.s, h.key.m)
+                if isinstance(h, F):
+                    got[("F",) + k] = (t, (op.b.key.s, op.b.key.m) if pair else None)
+                elif isinstance(h, B):
+                    got[("B",) + k] = (t, (op.f.key.s, op.f.key.m) if pair else None)
+                    if h.w:  # the dominance: split it, its W in the op's last W of time
+                        got[("W",) + k] = (t + int((costs.duration(op) - costs.stages[0, k[0]].W) * 10), None)
+                else:
+                    got[("W",) + k] = (t, None)
+    # W times sorted per stage: the same order up to which W runs where. Still valid when F and
+    # B are in micro-batch order (the k-th W is after the k-th B's end), and a rank's live count
+    # at any time is the same (F starts and W ends as sets unchanged)
+    for st in range(sched.stages):
+        times = sorted(got[("W", st, m)][0] for m in range(sched.microbatches))
+        for m, t in enumerate(times):
+            got[("W", st, m)] = (t, None)
+    return got
+
+
+def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, workers: int,
+          window: int | None, hint: dict | None, horizon: int, log: bool, params: str = ""):
+    """CP-SAT on every order (see the module docstring): (status name, best makespan in tenths
+    or None, lower bound in tenths, wall seconds, per-rank op lists or None)."""
+    from ortools.sat.python import cp_model  # optional: only this script needs it
+
+    S = 2 * P
+    rank_of = {s: (s if s < P else S - 1 - s) for s in range(S)}
+    dF, dB, dW, dP, c = tenths["F"], tenths["B"] - tenths["W"], tenths["W"], tenths["fb"] - tenths["W"], tenths["c"]
+    model = cp_model.CpModel()
+    st, en = {}, {}
+    paired = {}
+    for s in range(S):
+        for m in range(M):
+            for kind in "FBW":
+                st[kind, s, m] = model.NewIntVar(0, horizon, f"{kind}{s},{m}")
+                en[kind, s, m] = model.NewIntVar(0, horizon, f"e{kind}{s},{m}")
+            for kind in "FB":
+                paired[kind, s, m] = model.NewBoolVar(f"p{kind}{s},{m}")
+    # candidate pairs on each rank: F(sf,mf) with B(sb,mb), mb < mf (see the docstring)
+    x = {}
+    for r in range(P):
+        mine = (r, S - 1 - r)
+        for sf in mine:
+            for sb in mine:
+                for mf in range(M):
+                    for mb in range(mf):
+                        if window is None or mf - mb <= window:
+                            x[sf, mf, sb, mb] = model.NewBoolVar(f"x{sf},{mf},{sb},{mb}")
+    by_f: dict = {}
+    by_b: dict = {}
+    for (sf, mf, sb, mb), v in x.items():
+        by_f.setdefault((sf, mf), []).append(v)
+        by_b.setdefault((sb, mb), []).append(v)
+        model.Add(st["F", sf, mf] == st["B", sb, mb]).OnlyEnforceIf(v)
+    for s in range(S):
+        for m in range(M):
+            model.Add(paired["F", s, m] == sum(by_f.get((s, m), [])))
+            model.Add(paired["B", s, m] == sum(by_b.get((s, m), [])))
+            model.Add(en["F", s, m] == st["F", s, m] + dF + (dP - dF) * paired["F", s, m])
+            model.Add(en["B", s, m] == st["B", s, m] + dB + (dP - dB) * paired["B", s, m])
+            model.Add(en["W", s, m] == st["W", s, m] + dW)
+            # dependencies (events.KINDS), latency c on a hop between ranks
+            if s > 0:
+                hop = c if rank_of[s - 1] != rank_of[s] else 0
+                model.Add(st["F", s, m] >= en["F", s - 1, m] + hop)
+            model.Add(st["B", s, m] >= en["F", s, m])
+            if s < S - 1:
+                hop = c if rank_of[s + 1] != rank_of[s] else 0
+                model.Add(st["B", s, m] >= en["B", s + 1, m] + hop)
+            model.Add(st["W", s, m] >= en["B", s, m])
+            if m > 0:  # micro-batches in order per stage
+                for kind in "FBW":
+                    model.Add(st[kind, s, m] >= en[kind, s, m - 1])
+    makespan = model.NewIntVar(0, horizon, "makespan")
+    for r in range(P):
+        slots, live = [], []
+        for s in (r, S - 1 - r):
+            for m in range(M):
+                # an F in a pair runs inside its B's slot
+                slots.append(model.NewOptionalFixedSizeIntervalVar(st["F", s, m], dF, paired["F", s, m].Not(), ""))
+                b_len = model.NewIntVar(min(dB, dP), max(dB, dP), "")
+                model.Add(b_len == dB + (dP - dB) * paired["B", s, m])
+                slots.append(model.NewIntervalVar(st["B", s, m], b_len, en["B", s, m], ""))
+                slots.append(model.NewFixedSizeIntervalVar(st["W", s, m], dW, ""))
+                # the round trip from here and back, each op at its shortest (helps the energy bound)
+                hops = sum(rank_of[a] != rank_of[a + 1] for a in range(s, S - 1))
+                shortest = (S - s) * (min(dF, dP) + min(dB, dP)) + dW + 2 * c * hops
+                life = model.NewIntVar(shortest, horizon, "")
+                live.append(model.NewIntervalVar(st["F", s, m], life, en["W", s, m], ""))
+                model.Add(makespan >= en["W", s, m])
+                model.Add(makespan >= en["B", s, m])
+        model.AddNoOverlap(slots)
+        model.AddCumulative(live, [1] * len(live), K)
+    model.Minimize(makespan)
+    if hint:
+        for key, (t, _) in hint.items():
+            model.AddHint(st[key], t)
+        for s in range(S):
+            for m in range(M):
+                for kind in "FB":
+                    model.AddHint(paired[kind, s, m], hint[kind, s, m][1] is not None)
+        for (sf, mf, sb, mb), v in x.items():
+            model.AddHint(v, hint["F", sf, mf][1] == (sb, mb))
+        model.AddHint(makespan, max(t + {"F": dF, "B": dB, "W": dW}[k[0]] for k, (t, _) in hint.items()))
+
+    class Progress(cp_model.CpSolverSolutionCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t0 = time.time()
+
+        def on_solution_callback(self) -> None:
+            print(f"  {time.time() - self.t0:7.1f}s: makespan {self.ObjectiveValue() / 10:.1f}, "
+                  f"bound {self.BestObjectiveBound() / 10:.1f}", flush=True)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = seconds
+    solver.parameters.num_workers = workers
+    solver.parameters.log_search_progress = log
+    for item in filter(None, params.split(",")):  # "name=value,..." (SatParameters fields)
+        field, value = item.split("=")
+        setattr(solver.parameters, field.strip(), ast.literal_eval(value.strip()))
+    print(f"model: {len(x)} candidate pairs, horizon {horizon / 10}", flush=True)
+    t0 = time.time()
+    status = solver.Solve(model, Progress())
+    wall = time.time() - t0
+    name = solver.StatusName(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return name, None, solver.BestObjectiveBound(), wall, None
+    ops: list[list[tuple[int, object]]] = [[] for _ in range(P)]
+    partner = {(sf, mf): (sb, mb) for (sf, mf, sb, mb), v in x.items() if solver.Value(v)}
+    taken = set(partner.values())
+    for s in range(S):
+        r = rank_of[s]
+        for m in range(M):
+            k = Key(0, s, m)
+            if (s, m) in partner:
+                sb, mb = partner[s, m]
+                ops[r].append((solver.Value(st["F", s, m]), FB(F(k), B(Key(0, sb, mb), False))))
+            else:
+                ops[r].append((solver.Value(st["F", s, m]), F(k)))
+            if (s, m) not in taken:
+                ops[r].append((solver.Value(st["B", s, m]), B(k, False)))
+            ops[r].append((solver.Value(st["W", s, m]), W(k)))
+    lists = [[op for _, op in sorted(row, key=lambda p: p[0])] for row in ops]
+    return name, solver.ObjectiveValue(), solver.BestObjectiveBound(), wall, lists
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-P", "--ranks", type=int, required=True)
+    parser.add_argument("-M", "--microbatches", type=int, required=True)
+    parser.add_argument("-K", "--budget", type=int, required=True, help="live (d,s,m) units per rank")
+    parser.add_argument("--F", type=int, default=10, help="costs in tenths: forward")
+    parser.add_argument("--B", type=int, default=20, help="the full backward (its W included)")
+    parser.add_argument("--W", type=int, default=5)
+    parser.add_argument("--fb", type=int, default=24, help="an F&B pair with the full backward")
+    parser.add_argument("--c", type=int, default=0, help="p2p latency of a hop between ranks")
+    parser.add_argument("--seconds", type=float, default=60.0, help="CP-SAT time limit")
+    parser.add_argument("--workers", type=int, default=1, help="CP-SAT workers (threads)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="only pairs with m_F - m_B <= this (then CP-SAT's bound is not a bound)")
+    parser.add_argument("--no-hint", action="store_true", help="skip the optimizer's order as a start")
+    parser.add_argument("--log", action="store_true", help="CP-SAT's search log")
+    parser.add_argument("--params", default="", help="more CP-SAT parameters: 'linearization_level=2,...'")
+    parser.add_argument("--save", help="write the order found (schedule JSON) here")
+    args = parser.parse_args()
+    P, M, K = args.ranks, args.microbatches, args.budget
+    tenths = {"F": args.F, "B": args.B, "W": args.W, "fb": args.fb, "c": args.c}
+
+    deepseek = build_schedule("dualpipev", P, M)
+    costs = project_costs(deepseek, tenths)
+    base = simulate(deepseek, costs)
+    print(f"P={P} M={M} K={K}, costs {tenths} (tenths)")
+    print(f"DeepSeek's order: makespan {float(base.makespan)}, peak "
+          f"{max(peak_live_activations(o) for o in deepseek.ops)}", flush=True)
+    hint, horizon = None, 4 * M * (tenths["F"] + tenths["B"] + tenths["c"]) * 2
+    if not args.no_hint:
+        from dualpipe_megatron.schedules.optimize import optimize_order
+
+        t0 = time.time()
+        ours = optimize_order(deepseek, costs, max_activations=K)
+        run = simulate(ours, costs)
+        print(f"optimizer's order: makespan {float(run.makespan)}, peak "
+              f"{max(peak_live_activations(o) for o in ours.ops)} ({time.time() - t0:.1f}s)", flush=True)
+        hint = hint_from(ours, costs)
+        in_order = all(hint[k, s, m][0] < hint[k, s, m + 1][0]
+                       for k in "FBW" for s in range(2 * P) for m in range(M - 1))
+        horizon = int(run.makespan * 10)  # what CP-SAT finds is never longer
+        if not in_order:
+            print("  (its micro-batches are not in order per stage: no hint)")
+            hint = None
+    window = "" if args.window is None else f", pairs within {args.window} micro-batches (NOT a bound on all orders)"
+    print(f"CP-SAT: {args.seconds:g}s, {args.workers} worker(s){window}", flush=True)
+    status, best, bound, wall, lists = solve(P, M, K, tenths, args.seconds, args.workers, args.window,
+                                             hint, horizon, args.log, args.params)
+    found = "none" if best is None else f"{best / 10:.1f}"
+    print(f"CP-SAT: status {status}, best makespan {found}, lower bound {bound / 10:.1f} "
+          f"({bound / float(base.makespan) / 10 - 1:+.1%} over DeepSeek), {wall:.1f}s")
+    if lists is None:
+        return
+    sched = Schedule(f"{deepseek.name}-cpsat", P, deepseek.stages, deepseek.microbatches,
+                     deepseek.directions, lists, dict(deepseek.placement))
+    try:
+        validate(sched)
+        valid = "ok"
+    except Exception as exc:  # report, do not hide: the check is the point
+        valid = f"FAILED: {exc}"
+    print(f"check: validate {valid}")
+    if args.save:
+        with open(args.save, "w") as f:
+            f.write(sched.to_json())
+    if valid == "ok":
+        span = simulate(sched, costs).makespan
+        peaks = [peak_live_activations(o) for o in sched.ops]
+        print(f"check: simulate makespan {float(span)} ({'ok' if span * 10 <= best else 'LONGER than CP-SAT'}; "
+              f"{float(span / base.makespan) - 1:+.1%} over DeepSeek), peaks {peaks} "
+              f"({'ok' if max(peaks) <= K else 'OVER K'})")
+
+
+if __name__ == "__main__":
+    main()
