@@ -11,7 +11,8 @@
 #                  megatron-core from carried wheels in .whl/ (see the device README) otherwise
 #   op_costs       scripts/device_op_costs.py (H200 op costs and the projection; --dry-run on CPU)
 #   nccl_two_rank  scripts/nccl_two_rank.py under torchrun: 2 ranks on cuda:0 over NCCL, dualpipev
-#                  and dualpipe, 3 training steps + 1 forward-only, against one process
+#                  and dualpipe, 3 training steps + 1 forward-only, against one process; then the
+#                  op-order search shared by the two ranks (gathers over NCCL), against one process
 #   megatron_pp2   scripts/pretrain_gpt.py --pipeline-schedule dualpipev, PP=2, tiny GPT, 2 ranks
 #                  on cuda:0, 3 iterations, mock data, local transformer implementation
 #   megatron_eplb  the same script, an MoE GPT at EP=2 with --eplb-interval 1 and 2 redundant

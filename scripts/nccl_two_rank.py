@@ -9,7 +9,8 @@ Both ranks share ``cuda:0`` (backend nccl; NCCL >= 2.30 with ``NCCL_MULTI_RANK_G
 allows two ranks per GPU) or the CPU (gloo). For each schedule (dualpipev, then dualpipe) it
 runs ``--steps`` training steps with an SGD update after each, then one forward-only step, and
 compares every step's loss and (training steps) every gradient with the whole model run in one
-process on the same device, with the same weights and updates. The default CUDA sizes make each
+process on the same device, with the same weights and updates; then the op-order search shared
+by the two ranks (``runtime_workers.shared_search``). The default CUDA sizes make each
 activation message 8 MiB, twice NCCL's default 4 MiB buffer, so sends really rendezvous.
 
 The model, loss and single-process reference are the CPU tests' (``tests/runtime_workers.py``).
@@ -148,6 +149,13 @@ def main(args: argparse.Namespace) -> bool:
             pipe.zero_grad(set_to_none=True)
             for layer in ref_layers:
                 layer.zero_grad(set_to_none=True)
+    # The op-order search shared by the ranks (runtime/shared_search.py): its gathers over this
+    # backend, the order equal to one process's, and its errors raised on every rank.
+    shared = rw.shared_search(rank, world)
+    passed = (shared["same"] and shared["reordered"] and "mismatch" in shared and "failed" in shared
+              and shared["merged"] == [(task, task % world) for task in range(5)])
+    ok &= passed
+    say(f"{'PASS' if passed else 'FAIL'} shared op-order search: {shared}")
     say(f"RESULT: {'PASS' if ok else 'FAIL'}")
     dist.destroy_process_group()
     return ok

@@ -610,7 +610,8 @@ def _seeded_stage_costs(stages: int, seed: int) -> dict:
 
 def plan_agreement_checks(pp: int) -> dict:
     """Rank 0 optimizes the DualPipeV order for a uniform stage-cost file, the other ranks for
-    another one: every rank must raise PlanMismatchError before the step runs any op."""
+    another one: every rank must raise PlanMismatchError before the step runs any op (the ranks
+    share the search, so they compare its inputs first and name the costs)."""
     from dualpipe_megatron.megatron.schedule import make_forward_backward_func
     from dualpipe_megatron.runtime import PlanMismatchError
     from dualpipe_megatron.schedules import build_schedule
@@ -631,7 +632,7 @@ def plan_agreement_checks(pp: int) -> dict:
     except PlanMismatchError as exc:
         error = str(exc)
     ran = options.last_stats
-    ok = orders_differ and "differ from rank 0" in error and ran is None
+    ok = orders_differ and "from other inputs than rank 0 (rank 1 differs in: costs)" in error and ran is None
     return _verdict(f"plan_mismatch_dualpipev_p{pp}", ok,
                     f"orders differ {orders_differ}, ops run {ran}, error {error[:160]!r}")
 

@@ -180,8 +180,8 @@ def test_ranks_share_the_op_order_search(world: int) -> None:
     """runtime/shared_search.py: each rank runs its pieces, every rank gets every result."""
     for rank, result in enumerate(r["shared_search"] for r in launched(world)):
         assert result["same"] and result["reordered"], (rank, result)
-        assert "pipeline ranks [1] would optimize the op order from other inputs than rank 0 (budget differ" \
-            in result["mismatch"], result
+        assert "pipeline ranks [1] would optimize the op order from other inputs than rank 0 (rank 1 differs " \
+            "in: budget)" in result["mismatch"], result
         assert "failed on pipeline rank 1: ZeroDivisionError" in result["failed"], result
         assert result["merged"] == [(task, task % world) for task in range(5)], result
 

@@ -41,7 +41,7 @@ class RankWorkers:
             parts = sorted(name for name in every[0] if every[odd[0]].get(name) != every[0][name])
             raise PlanMismatchError(
                 f"pipeline ranks {odd} would optimize the op order from other inputs than rank 0 "
-                f"({', '.join(parts) or 'the inputs named'} differ on rank {odd[0]}): every rank "
+                f"(rank {odd[0]} differs in: {', '.join(parts) or 'the inputs named'}): every rank "
                 f"needs the same flags and the same --dualpipe-stage-costs file")
 
     def map(self, fn: Callable[[Any], Any], tasks: Sequence[Any]) -> list[Any]:
