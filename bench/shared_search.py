@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 from typing import Optional
 
@@ -27,6 +26,7 @@ from dualpipe_megatron.runtime.shared_search import RankWorkers
 from dualpipe_megatron.schedules import Costs, build_schedule
 from dualpipe_megatron.schedules.cli import markdown_table
 from dualpipe_megatron.schedules.optimize import optimize_order
+from ports import free_port  # bench/ modules: this script's directory is on sys.path
 
 
 def _timed(sched, budget: Optional[int], workers: Optional[RankWorkers]) -> tuple[float, float, list]:
@@ -49,12 +49,6 @@ def _rank(rank: int, ranks: int, port: int, microbatches: int, budgets: list, re
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-P", "--ranks", type=int, default=16)
@@ -70,7 +64,7 @@ def main() -> None:
         one[budget] = time.perf_counter() - start
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.microbatches, budgets, results))
              for r in range(args.ranks)]
     for p in procs:
