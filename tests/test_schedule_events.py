@@ -9,8 +9,8 @@ from fractions import Fraction
 import pytest
 
 from dualpipe_megatron.schedules import GENERATORS, build_schedule
-from dualpipe_megatron.schedules.events import (Encoder, Replay, live_change, needs, peak, peak_live_activations,
-                                                produces, receives, sends, timing)
+from dualpipe_megatron.schedules.events import (Encoder, Replay, live_change, needs, op_needs, peak,
+                                                peak_live_activations, produces, receives, sends, timing)
 from dualpipe_megatron.schedules.ir import FB, B, F, Key, Schedule, W, halves
 
 
@@ -122,3 +122,23 @@ def test_a_resumed_timing_equals_the_full_one(name: str) -> None:
             assert (full.start, full.finish, full.makespan) == (resumed.start, resumed.finish, resumed.makespan)
             checked += 1
     assert checked > 500 and invalid > 0  # both outcomes were exercised
+
+
+@pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
+def test_the_encoder_follows_the_kinds_table(name: str) -> None:
+    """Encoder.encode (per-kind-and-stage templates shifted by micro-batch) gives each op the
+    events op_needs and produces name, the latency on exactly the needs made on another rank,
+    and live_change's memory, for every op of DeepSeek's order (F&B pairs, full backwards) and of
+    its split form (B(w=false), W), both directions."""
+    from dualpipe_megatron.schedules.optimize import _split_weight_grads
+
+    sched = build_schedule(name, 4, 8)
+    enc = Encoder(sched)
+    for ops in (sched.ops, _split_weight_grads(sched.ops)):
+        for rank, rank_ops in enumerate(ops):
+            for op in rank_ops:
+                got = enc.encode(op, 7, "c", "0")
+                assert got.needs == tuple((enc.id(e), "c" if sched.rank_of(e[1].d, e[1].s) != rank else "0")
+                                          for e in op_needs(op, sched.stages))
+                assert got.makes == tuple(enc.id(e) for e in produces(op))
+                assert (got.starts, got.frees) == live_change(op) and got.cost == 7 and got.op is op

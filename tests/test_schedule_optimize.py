@@ -265,19 +265,25 @@ class LastFirstWorkers:
         return [got[i] for i in range(len(tasks))]
 
 
-@pytest.mark.parametrize("count", [2, 16])
+@pytest.mark.parametrize("count", [2, 16, 64])
 def test_the_order_is_the_same_for_any_number_of_workers(count: int) -> None:
-    """optimize.Workers: the list schedules parted among workers (each bounded by its own part's
-    sixth best), the searches and the exact checks run apart, give the order one worker finds
-    (DualPipe P=4 M=8, K one below DeepSeek's peak; per-stage costs). A piece that depended on
-    what ran before it (say, one random stream for all searches) would fail this."""
+    """optimize.Workers: the list schedules parted among workers (one each unbounded first, then
+    the rest bounded by the sixth best of those and of their own part, each part returning only
+    its best), the searches and the exact checks run apart, give the order one worker finds
+    (DualPipe P=4 M=8, K one below DeepSeek's peak; per-stage costs; 64 workers outnumber the
+    list schedules). A piece that depended on what ran before it (say, one random stream for all
+    searches) would fail this."""
     sched = build_schedule("dualpipe", 4, 8)
     costs = stage_costs(sched, "c")
     budget = deepseek_peak(sched) - 1
     workers = LastFirstWorkers(count)
     assert optimize_order(sched, costs, max_activations=budget, workers=workers).ops == \
         optimize_order(sched, costs, max_activations=budget).ops
-    assert workers.calls[:2] == [1, count] and len(workers.calls) > 3  # input's step, list schedules, searches
+    assert workers.calls[0] == 1 and len(workers.calls) > 3  # the input's step, list schedules, searches
+    if count < 64:  # one list schedule each, unbounded, then the rest parted among all
+        assert workers.calls[1:3] == [count, count]
+    else:  # more workers than list schedules: one each, in one round
+        assert workers.calls[1] < count and workers.calls[2] <= 2 + 6
 
 
 def test_more_search_work_finds_a_faster_order_within_the_budget() -> None:

@@ -154,18 +154,37 @@ class Encoder:
                 self.placement.setdefault((h.key.d, h.key.s), rank)
         self._slot = {name: i for i, name in enumerate(sorted({row.event for row in KINDS.values()}))}
         self.size = sched.directions * self.stages * self.per * len(self._slot)
+        # per single-op kind and stage: its rank, its needs as (event id at m = 0, the rank
+        # making it), the id of the event it makes at m = 0, what it does to memory; an
+        # event's id grows by len(_slot) per micro-batch
+        self._templates: dict[tuple, tuple[int, tuple[tuple[int, int], ...], int, int, int]] = {}
 
     def id(self, event: Event) -> int:
         name, k = event
         return ((k.d * self.stages + k.s) * self.per + k.m) * len(self._slot) + self._slot[name]
 
+    def _template(self, half: Single) -> tuple[int, tuple[tuple[int, int], ...], int, int, int]:
+        k = half.key
+        key = (type(half), half.w if isinstance(half, B) else True, k.d, k.s)
+        got = self._templates.get(key)
+        if got is None:
+            at0 = type(half)(Key(k.d, k.s, 0), half.w) if isinstance(half, B) else type(half)(Key(k.d, k.s, 0))
+            row = kind(half)
+            got = self._templates[key] = (
+                self.placement[(k.d, k.s)],
+                tuple((self.id(e), self.placement[(e[1].d, e[1].s)]) for e in needs(at0, self.stages)),
+                self.id((row.event, at0.key)), row.starts, row.frees)
+        return got
+
     def encode(self, op: Op, cost: int, latency: Any, zero: Any = 0) -> TimedOp:
         """``op`` with ``latency`` on each need made on another rank (``zero`` on the others)."""
-        first = halves(op)[0].key  # an FB's halves share a rank
-        here = self.placement[(first.d, first.s)]
-        need = tuple((self.id(e), latency if self.placement[(e[1].d, e[1].s)] != here else zero)
-                     for e in op_needs(op, self.stages))
-        return TimedOp(cost, need, tuple(self.id(e) for e in produces(op)), *live_change(op), op)
+        slots = len(self._slot)
+        parts = [(self._template(h), h.key.m * slots) for h in halves(op)]
+        here = parts[0][0][0]  # an FB's halves share a rank
+        need = tuple((ev + shift, latency if src != here else zero)
+                     for (_, evs, _, _, _), shift in parts for ev, src in evs)
+        return TimedOp(cost, need, tuple(t[2] + shift for t, shift in parts),
+                       sum(t[3] for t, _ in parts), sum(t[4] for t, _ in parts), op)
 
 
 class Timing(NamedTuple):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from array import array
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -72,7 +73,8 @@ class _Model:
         self.encoder = Encoder(sched)
         self.durations: list[float] = []
         self._cache: dict[Op, TimedOp] = {}
-        self._unpacked: dict[tuple[int, ...], Op] = {}
+        self._unpacked: dict[int, Op] = {}
+        self._singles = 4 * self.directions * self.stages * self.per  # codes of single ops (pack)
         self.spent = 0  # ops timed so far: the search's work
 
     def enc(self, op: Op) -> TimedOp:
@@ -83,18 +85,42 @@ class _Model:
             self.durations.append(self.duration(op))
         return got
 
+    def pack(self, ops: list[list[Op]]) -> "Packed":
+        """An order as one array of int64 codes per rank, which workers hand each other far
+        faster than op objects: a single op's code is ((kind * D + d) * S + s) * M + m with kind
+        0 F, 1 B(w=false), 2 B, 3 W; an F&B pair's is N + f * N + b, N the number of single codes."""
+        n, single = self._singles, self._single
+        return [array("q", [n + single(op.f) * n + single(op.b) if isinstance(op, FB) else single(op)
+                            for op in row]).tobytes() for row in ops]
+
+    def _single(self, op: Op) -> int:
+        k = op.key
+        code = 0 if isinstance(op, F) else 3 if isinstance(op, W) else 2 if op.w else 1
+        return ((code * self.directions + k.d) * self.stages + k.s) * self.per + k.m
+
     def unpack(self, rows: "Packed") -> list[list[Op]]:
-        """The ops of :func:`_pack`'s rows (one shared object per op)."""
+        """The ops of :meth:`pack`'s rows (one shared object per op)."""
         cache, out = self._unpacked, []
         for row in rows:
             ops = []
-            for t in row:
-                op = cache.get(t)
+            for code in array("q", row):
+                op = cache.get(code)
                 if op is None:
-                    op = cache[t] = _unpack_op(t)
+                    op = cache[code] = self._decode(code)
                 ops.append(op)
             out.append(ops)
         return out
+
+    def _decode(self, code: int) -> Op:
+        n = self._singles
+        if code >= n:
+            f, b = divmod(code - n, n)
+            return FB(self._decode(f), self._decode(b))
+        rest, m = divmod(code, self.per)
+        rest, s = divmod(rest, self.stages)
+        kind_code, d = divmod(rest, self.directions)
+        key = Key(d, s, m)
+        return F(key) if kind_code == 0 else W(key) if kind_code == 3 else B(key, kind_code == 2)
 
     def time(self, lists: "Lists", since: Optional[tuple[Timing, int, int]] = None) -> Optional[Timing]:
         """Float timing with simulate()'s rules; None when the order is invalid (a rank stalls).
@@ -116,26 +142,7 @@ class _Model:
 
 
 Lists = list[list[TimedOp]]
-Packed = list[list[tuple[int, ...]]]  # an order as tuples of ints (:func:`_pack`)
-
-
-def _pack_single(op: Op) -> tuple[int, ...]:
-    k = op.key
-    return (0 if isinstance(op, F) else 3 if isinstance(op, W) else 2 if op.w else 1, k.d, k.s, k.m)
-
-
-def _pack(ops: list[list[Op]]) -> Packed:
-    """An order as tuples of ints, which workers hand each other far faster than op objects:
-    (kind, d, s, m) with kind 0 F, 1 B(w=false), 2 B, 3 W; an F&B pair as its halves' two."""
-    return [[_pack_single(op.f) + _pack_single(op.b) if isinstance(op, FB) else _pack_single(op)
-             for op in row] for row in ops]
-
-
-def _unpack_op(t: tuple[int, ...]) -> Op:
-    if len(t) == 8:
-        return FB(_unpack_op(t[:4]), _unpack_op(t[4:]))
-    key = Key(*t[1:])
-    return F(key) if t[0] == 0 else W(key) if t[0] == 3 else B(key, t[0] == 2)
+Packed = list[bytes]  # an order as int64 codes, one array per rank (:meth:`_Model.pack`)
 
 
 def _score(t: Timing) -> tuple[float, float]:
@@ -254,9 +261,12 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
     depth = Counter((r, d) for (d, _), r in rank.items())
     first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
     held: Counter = Counter()
+    held_on = [0] * P  # held summed over a rank's directions
     f_left = Counter()  # F's still to run per (rank, direction)
     for (d, _), r in rank.items():
         f_left[(r, d)] += per
+    f_left_on = [sum(f_left[(r, y)] for y in range(model.directions)) for r in range(P)]  # and per rank
+    others = {d: [y for y in range(model.directions) if y != d] for d in range(model.directions)}
     share = _shares(model, caps, depth) if rule.split else None
     if rule.split and share is None:
         return None
@@ -282,15 +292,14 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         need = (depth[(r, d)] if first[(d, s)] else 0) if rule.reserve else KINDS["F"].starts
         if rule.spare:  # a banker's margin: what the oldest micro-batch may still need here
             need += (depth[(r, d)] - 1 if first[(d, s)] else 0) + sum(
-                depth[(r, y)] for y in range(model.directions)
-                if y != d and held[(r, y)] == 0 and f_left[(r, y)] > 0)
+                depth[(r, y)] for y in others[d] if held[(r, y)] == 0 and f_left[(r, y)] > 0)
         if window is not None and live_at[(d, s)] + 1 > window[(d, s)]:
             return False
         if entry is not None and s == 0 and live_at[(d, 0)] >= entry[d]:
             return False
         if share is not None:
             return held[(r, d)] + need <= share[(r, d)]
-        return sum(held[(r, y)] for y in range(model.directions)) + need <= caps[r]
+        return held_on[r] + need <= caps[r]
 
     def lat(src: tuple[int, int], r: int) -> float:
         return c if rank[src] != r else 0.0
@@ -376,12 +385,16 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         for h in halves(op):
             k, ds, row = h.key, (h.key.d, h.key.s), kind(h)
             held[(r, k.d)] -= row.frees
+            held_on[r] -= row.frees
             live_at[ds] += row.starts - row.frees
             if isinstance(h, F):
                 work[r] -= model.F[ds]
-                held[(r, k.d)] += (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
+                claim = (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
+                held[(r, k.d)] += claim
+                held_on[r] += claim
                 next_f[ds] += 1
                 f_left[(r, k.d)] -= 1
+                f_left_on[r] -= 1
                 left[r] -= 1
                 f_end[ds][k.m] = end
                 notify(ds, end)
@@ -398,7 +411,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                     pending[r].append(k)
             else:
                 work[r] -= model.W[ds]
-        f_now = sum(f_left[(r, y)] for y in range(model.directions))  # left counts F's and B's
+        f_now = f_left_on[r]  # left counts F's and B's
         if end + work[r] - min(f_now, left[r] - f_now) * saves[r] > slack:
             return None
     if any(left) or any(pending):
@@ -660,59 +673,82 @@ def _keep(best: list[_Built], entry: _Built) -> list[_Built]:
 
 
 def _build(model: _Model, caps: list[int], candidates: list, given: list[list[list[Op]]],
-           part: list[int]) -> list[_Built]:
-    """The list schedules of ``candidates[i]`` for i in ``part``, last first, that complete within
-    the caps and differ from the seeds (``given``). Each stops once its makespan is sure to exceed
-    the sixth best of this part's so far; the sixth best of all candidates is never longer, so
-    every order among the best of all candidates is returned, however they are parted."""
+           follow: Sequence[list[list[Op]]], part: list[int], bound: float = INF) -> list[_Built]:
+    """The list schedules of ``candidates[i]`` (a rule, and the index of the order in ``follow``
+    it follows, or None) for i in ``part``, last first, that complete within the caps and differ
+    from the seeds (``given``). Each stops once its makespan is sure to exceed ``bound`` or the
+    sixth best of this part's so far; it returns those no longer than the part's sixth best. A
+    bound no shorter than the sixth best of all candidates loses none of the best of all, and an
+    order longer than six others of its part is not among them, however the candidates are parted."""
     best: list[_Built] = []
     out: list[_Built] = []
+    refs: dict[int, _Reference] = {}  # built here, by the worker that follows it
     for i in sorted(part, reverse=True):
-        rule, ref = candidates[i]
-        got = _list_schedule(model, caps, rule, ref, best[-1][0][0] if len(best) == _BUILT_SEEDS else INF)
+        rule, j = candidates[i]
+        if j is not None and j not in refs:
+            refs[j] = _Reference(follow[j])
+        got = _list_schedule(model, caps, rule, None if j is None else refs[j],
+                             min(bound, best[-1][0][0] if len(best) == _BUILT_SEEDS else INF))
         if got is None or any(got[1] == order for order in given):
             continue
         if all(peak_live_activations(ops) <= cap for ops, cap in zip(got[1], caps)):
-            out.append((got[0], i, _pack(got[1])))
+            out.append((got[0], i, model.pack(got[1])))
             best = _keep(best, out[-1])
-    return out
+    return [entry for entry in out if len(best) < _BUILT_SEEDS or entry[0] <= best[-1][0]]
 
 
-def _searched(model: _Model, start: list[list[Op]], caps: list[int], work: int) -> tuple[tuple[float, float], Packed]:
+def _searched(model: _Model, start: Packed, caps: list[int], work: int) -> tuple[tuple[float, float], Packed]:
     """:func:`_local_search` from ``start``, as plain data (its score and order); the start is
-    encoded here, by the worker that searches it."""
-    lists, t = _local_search(model, [[model.enc(op) for op in ops] for ops in start], caps, work)
-    return _score(t), _pack([[o.op for o in ops] for ops in lists])
+    decoded here, by the worker that searches it."""
+    lists, t = _local_search(model, [[model.enc(op) for op in ops] for ops in model.unpack(start)], caps, work)
+    return _score(t), model.pack([[o.op for o in ops] for ops in lists])
+
+
+def _best_built(built: list[_Built]) -> list[_Built]:
+    """The best distinct list schedules, offered as one part building them all would (last first)."""
+    best: list[_Built] = []
+    for entry in sorted(built, key=lambda x: -x[1]):
+        best = _keep(best, entry)
+    return best
 
 
 def _search(model: _Model, caps: list[int], seeds: list[list[list[Op]]], budget: int, workers: Workers,
-            rules: tuple[_Rule, ...] = _RULES, follow: tuple[_Reference, ...] = ()) -> list[tuple[tuple[float, float], Packed]]:
+            rules: tuple[_Rule, ...] = _RULES, follow: tuple[list[list[Op]], ...] = ()) -> list[tuple[tuple[float, float], Packed]]:
     """Local search from each seed and from the best distinct orders (none equal to a seed) the
     list scheduler builds under ``caps`` by any of ``rules`` (and following each order in
     ``follow``), by successive halving: every start gets a short search (``budget // 4``
     op-simulations), the best half of them a longer one, and so on until one is left
     (``budget`` in the last round), so that no start is judged by its list-scheduled length
-    alone. Every list schedule and every search is one piece for ``workers``."""
+    alone. Every list schedule and every search is one piece for ``workers``; with more than
+    one worker, each first builds one list schedule unbounded, and the sixth best of those
+    bounds the rest."""
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
         admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
-    candidates = [(rule, None) for rule in rules] + [(rule, ref) for ref in follow for rule in admits.values()]
+    candidates = [(rule, None) for rule in rules] + [(rule, j) for j in range(len(follow)) for rule in admits.values()]
     # the last candidates (following an order, windowed entry) are most often the shortest: tried
     # first, they set the bound early
-    parts = [list(range(w, len(candidates), workers.count)) for w in range(workers.count)]
-    built = [entry for got in workers.map(lambda part: _build(model, caps, candidates, seeds, part), parts)
-             for entry in got]
-    best: list[_Built] = []
-    for entry in sorted(built, key=lambda x: -x[1]):  # as if one part had built them all
-        best = _keep(best, entry)
-    starts = list(seeds) + [model.unpack(kept[2]) for kept in best]
+    order = list(range(len(candidates) - 1, -1, -1))
+    first = order[:workers.count] if workers.count > 1 else []
+    rest = order[len(first):]
+
+    def build(parts: list[list[int]], bound: float) -> list[_Built]:
+        return [entry for got in workers.map(lambda part: _build(model, caps, candidates, seeds, follow, part, bound),
+                                             parts) for entry in got]
+
+    built = build([[i] for i in first], INF) if first else []
+    best = _best_built(built)
+    bound = best[-1][0][0] if len(best) == _BUILT_SEEDS else INF
+    if rest:
+        built += build([rest[w::workers.count] for w in range(workers.count)], bound)
+    starts = [model.pack(ops) for ops in seeds] + [kept[2] for kept in _best_built(built)]
     found: list[tuple[tuple[float, float], Packed]] = []
     share = max(1, budget // 4)
     while starts:
         ranked = sorted((score, k, ops) for k, (score, ops) in
                         enumerate(workers.map(lambda start: _searched(model, start, caps, share), starts)))
         found += [(score, ops) for score, _, ops in ranked]
-        starts = [model.unpack(ops) for _, _, ops in ranked[:len(ranked) // 2]]
+        starts = [ops for _, _, ops in ranked[:len(ranked) // 2]]
         share = min(budget, 2 * share)
     return found
 
@@ -754,7 +790,7 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     caps = own if max_activations is None else [max_activations] * sched.ranks
     if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
         rules = _RULES + tuple(r for r in _BUDGET_RULES if not r.split or sched.directions > 1)
-        follow = (_Reference(sched.ops), _Reference(split_ops))
+        follow = (sched.ops, split_ops)
         # an input above the budget skips the search under its own peaks: this one gets its work too
         found += _search(model, caps, [sched.ops, split_ops] if fits else [], budget if fits else 2 * budget,
                          workers, rules, follow)
