@@ -24,7 +24,7 @@ op kind", lists what else an op kind touches). API:
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, NamedTuple, Optional, Protocol, Sequence
 
 from .ir import B, F, Key, Op, Schedule, W, halves
@@ -57,9 +57,13 @@ KINDS: dict[str, Kind] = {
 
 def kind(half: Single) -> Kind:
     """The row of ``half``'s kind in :data:`KINDS`."""
+    return KINDS[_kind_name(half)]
+
+
+def _kind_name(half: Single) -> str:
     if isinstance(half, B):
-        return KINDS["B" if half.w else "B[w=false]"]
-    return KINDS[type(half).__name__]
+        return "B" if half.w else "B[w=false]"
+    return type(half).__name__
 
 
 def needs(half: Single, stages: int) -> list[Event]:
@@ -165,11 +169,10 @@ class Encoder:
 
     def _template(self, half: Single) -> tuple[int, tuple[tuple[int, int], ...], int, int, int]:
         k = half.key
-        key = (type(half), half.w if isinstance(half, B) else True, k.d, k.s)
+        key = (_kind_name(half), k.d, k.s)
         got = self._templates.get(key)
         if got is None:
-            at0 = type(half)(Key(k.d, k.s, 0), half.w) if isinstance(half, B) else type(half)(Key(k.d, k.s, 0))
-            row = kind(half)
+            at0, row = replace(half, key=Key(k.d, k.s, 0)), KINDS[key[0]]
             got = self._templates[key] = (
                 self.placement[(k.d, k.s)],
                 tuple((self.id(e), self.placement[(e[1].d, e[1].s)]) for e in needs(at0, self.stages)),

@@ -261,12 +261,9 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
     depth = Counter((r, d) for (d, _), r in rank.items())
     first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
     held: Counter = Counter()
-    held_on = [0] * P  # held summed over a rank's directions
     f_left = Counter()  # F's still to run per (rank, direction)
     for (d, _), r in rank.items():
         f_left[(r, d)] += per
-    f_left_on = [sum(f_left[(r, y)] for y in range(model.directions)) for r in range(P)]  # and per rank
-    others = {d: [y for y in range(model.directions) if y != d] for d in range(model.directions)}
     share = _shares(model, caps, depth) if rule.split else None
     if rule.split and share is None:
         return None
@@ -292,14 +289,15 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         need = (depth[(r, d)] if first[(d, s)] else 0) if rule.reserve else KINDS["F"].starts
         if rule.spare:  # a banker's margin: what the oldest micro-batch may still need here
             need += (depth[(r, d)] - 1 if first[(d, s)] else 0) + sum(
-                depth[(r, y)] for y in others[d] if held[(r, y)] == 0 and f_left[(r, y)] > 0)
+                depth[(r, y)] for y in range(model.directions)
+                if y != d and held[(r, y)] == 0 and f_left[(r, y)] > 0)
         if window is not None and live_at[(d, s)] + 1 > window[(d, s)]:
             return False
         if entry is not None and s == 0 and live_at[(d, 0)] >= entry[d]:
             return False
         if share is not None:
             return held[(r, d)] + need <= share[(r, d)]
-        return held_on[r] + need <= caps[r]
+        return sum(held[(r, y)] for y in range(model.directions)) + need <= caps[r]
 
     def lat(src: tuple[int, int], r: int) -> float:
         return c if rank[src] != r else 0.0
@@ -385,16 +383,12 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         for h in halves(op):
             k, ds, row = h.key, (h.key.d, h.key.s), kind(h)
             held[(r, k.d)] -= row.frees
-            held_on[r] -= row.frees
             live_at[ds] += row.starts - row.frees
             if isinstance(h, F):
                 work[r] -= model.F[ds]
-                claim = (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
-                held[(r, k.d)] += claim
-                held_on[r] += claim
+                held[(r, k.d)] += (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
                 next_f[ds] += 1
                 f_left[(r, k.d)] -= 1
-                f_left_on[r] -= 1
                 left[r] -= 1
                 f_end[ds][k.m] = end
                 notify(ds, end)
@@ -411,7 +405,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                     pending[r].append(k)
             else:
                 work[r] -= model.W[ds]
-        f_now = f_left_on[r]  # left counts F's and B's
+        f_now = sum(f_left[(r, y)] for y in range(model.directions))  # left counts F's and B's
         if end + work[r] - min(f_now, left[r] - f_now) * saves[r] > slack:
             return None
     if any(left) or any(pending):
