@@ -85,8 +85,11 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def marked_json(log: str, mark: str) -> list[dict[str, Any]]:
-    """Every ``MARK {json}`` line a rank printed, parsed."""
-    return [json.loads(found) for found in re.findall(rf"{re.escape(mark)} (\{{.*\}})", log)]
+    """Every ``MARK {json}`` a rank printed, parsed. Each object is decoded from its mark on, not
+    matched to the end of its line: ranks share the log, and an unbuffered print writes its
+    newline apart, so one rank's report may run on into another's."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(log, found.end())[0] for found in re.finditer(rf"{re.escape(mark)} (?=\{{)", log)]
 
 
 def stop_group(pgid: int) -> None:

@@ -157,6 +157,13 @@ def _load_plugins_module(root: Path) -> Any:
     return module
 
 
+def test_reports_that_run_into_each_other_are_both_read() -> None:
+    """Two ranks share the log and an unbuffered print writes its newline apart: one rank's
+    report can run on into the other's (seen once in a clean-clone run)."""
+    log = f'x\n{REPORT} {{"rank": 0, "m": {{"k": "}}"}}}}{REPORT} {{"rank": 1}}\n\n{REPORT} {{"rank": 2}}\n'
+    assert marked_json(log, REPORT) == [{"rank": 0, "m": {"k": "}"}}, {"rank": 1}, {"rank": 2}]
+
+
 def test_patch_adds_only_the_extension_point(patched_root: Path) -> None:
     changed = re.findall(r"^\+\+\+ b/(\S+)", PATCH.read_text(), re.MULTILINE)
     assert changed == ["megatron/training/arguments.py", "megatron/training/checkpointing.py",
