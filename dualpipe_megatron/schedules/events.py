@@ -147,6 +147,17 @@ class TimedOp(NamedTuple):
     op: Op
 
 
+class _Template(NamedTuple):
+    """One single-op kind at one stage, at micro-batch 0: an event's id grows by the number of
+    event slots per micro-batch, so :meth:`Encoder.encode` shifts these ids by the op's m."""
+
+    rank: int
+    needs: tuple[tuple[int, int], ...]  # (event id, the rank making it)
+    makes: int  # the id of the event it makes
+    starts: int
+    frees: int
+
+
 class Encoder:
     """Integer events of one schedule's (direction, stage, micro-batch) and op encoding."""
 
@@ -158,22 +169,19 @@ class Encoder:
                 self.placement.setdefault((h.key.d, h.key.s), rank)
         self._slot = {name: i for i, name in enumerate(sorted({row.event for row in KINDS.values()}))}
         self.size = sched.directions * self.stages * self.per * len(self._slot)
-        # per single-op kind and stage: its rank, its needs as (event id at m = 0, the rank
-        # making it), the id of the event it makes at m = 0, what it does to memory; an
-        # event's id grows by len(_slot) per micro-batch
-        self._templates: dict[tuple, tuple[int, tuple[tuple[int, int], ...], int, int, int]] = {}
+        self._templates: dict[tuple[str, int, int], _Template] = {}  # by (kind name, d, s)
 
     def id(self, event: Event) -> int:
         name, k = event
         return ((k.d * self.stages + k.s) * self.per + k.m) * len(self._slot) + self._slot[name]
 
-    def _template(self, half: Single) -> tuple[int, tuple[tuple[int, int], ...], int, int, int]:
+    def _template(self, half: Single) -> _Template:
         k = half.key
         key = (_kind_name(half), k.d, k.s)
         got = self._templates.get(key)
         if got is None:
             at0, row = replace(half, key=Key(k.d, k.s, 0)), KINDS[key[0]]
-            got = self._templates[key] = (
+            got = self._templates[key] = _Template(
                 self.placement[(k.d, k.s)],
                 tuple((self.id(e), self.placement[(e[1].d, e[1].s)]) for e in needs(at0, self.stages)),
                 self.id((row.event, at0.key)), row.starts, row.frees)
@@ -183,11 +191,11 @@ class Encoder:
         """``op`` with ``latency`` on each need made on another rank (``zero`` on the others)."""
         slots = len(self._slot)
         parts = [(self._template(h), h.key.m * slots) for h in halves(op)]
-        here = parts[0][0][0]  # an FB's halves share a rank
+        here = parts[0][0].rank  # an FB's halves share a rank
         need = tuple((ev + shift, latency if src != here else zero)
-                     for (_, evs, _, _, _), shift in parts for ev, src in evs)
-        return TimedOp(cost, need, tuple(t[2] + shift for t, shift in parts),
-                       sum(t[3] for t, _ in parts), sum(t[4] for t, _ in parts), op)
+                     for t, shift in parts for ev, src in t.needs)
+        return TimedOp(cost, need, tuple(t.makes + shift for t, shift in parts),
+                       sum(t.starts for t, _ in parts), sum(t.frees for t, _ in parts), op)
 
 
 class Timing(NamedTuple):
