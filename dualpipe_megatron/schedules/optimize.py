@@ -74,6 +74,8 @@ class _Model:
         self.durations: list[float] = []
         self._cache: dict[Op, TimedOp] = {}
         self._unpacked: dict[int, Op] = {}
+        self._singles_of: dict[tuple[int, int], tuple[list[F], list[B], list[B], list[W]]] = {}
+        self._pairs: dict[tuple[int, int, int, int, int, int, bool], FB] = {}
         self._singles = 4 * self.directions * self.stages * self.per  # codes of single ops (pack)
         self.spent = 0  # ops timed so far: the search's work
 
@@ -83,6 +85,24 @@ class _Model:
         if got is None:
             got = self._cache[op] = self.encoder.encode(op, len(self.durations), self.c, 0.0)
             self.durations.append(self.duration(op))
+        return got
+
+    def singles(self, ds: tuple[int, int]) -> tuple[list[F], list[B], list[B], list[W]]:
+        """Stage ``ds``'s single ops by micro-batch (F, B(w=false), B, W), made once and shared,
+        so that the list scheduler does not build an op object per op it places."""
+        got = self._singles_of.get(ds)
+        if got is None:
+            keys = [Key(*ds, m) for m in range(self.per)]
+            got = self._singles_of[ds] = ([F(k) for k in keys], [B(k, False) for k in keys],
+                                          [B(k, True) for k in keys], [W(k) for k in keys])
+        return got
+
+    def pair(self, f: tuple[int, int], fm: int, b: tuple[int, int], bm: int, w: bool) -> FB:
+        """The F&B pair of stage ``f``'s F of micro-batch ``fm`` and stage ``b``'s B of ``bm``, made once."""
+        key = (*f, fm, *b, bm, w)
+        got = self._pairs.get(key)
+        if got is None:
+            got = self._pairs[key] = FB(self.singles(f)[0][fm], self.singles(b)[2 if w else 1][bm])
         return got
 
     def pack(self, ops: list[list[Op]]) -> "Packed":
@@ -243,32 +263,39 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
     inputs are in, which are :func:`~.events.timing`'s rules, so the score is the timing's.
     None if a rank stalls for memory, or once the makespan is sure to exceed ``bound`` (a rank's
     clock plus the least time its ops still to run can take, every possible pair paired)."""
-    rank, per, stages, c = model.rank, model.per, model.stages, model.c
+    rank, per, stages, c, dirs = model.rank, model.per, model.stages, model.c, model.directions
     level = _levels(model)
+    f_level = {ds: level[("F",) + ds] for ds in rank}
+    b_level = {ds: level[("B",) + ds] for ds in rank}
     f_end: dict[tuple[int, int], list[Optional[float]]] = {ds: [None] * per for ds in rank}  # per stage, by m
     b_end: dict[tuple[int, int], list[Optional[float]]] = {ds: [None] * per for ds in rank}
     next_f = dict.fromkeys(rank, 0)
     next_b = dict.fromkeys(rank, 0)
     P = model.ranks
     clock, wake = [0.0] * P, [0.0] * P
-    pending: list[deque[Key]] = [deque() for _ in range(P)]
+    pending: list[deque[W]] = [deque() for _ in range(P)]  # deferred weight grads, oldest first
     left = [2 * per * len(model.stages_on[r]) for r in range(P)]
     out: list[list[Op]] = [[] for _ in range(P)]
     starts: list[list[float]] = [[] for _ in range(P)]  # summed as _score sums them (sum() compensates)
     heap = [(0.0, r) for r in range(P)]
-    # held: live activations per (rank, direction), plus with reserve the slots that a
-    # micro-batch's first F on a rank claims for its other stages there
-    depth = Counter((r, d) for (d, _), r in rank.items())
-    first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
-    held: Counter = Counter()
-    f_left = Counter()  # F's still to run per (rank, direction)
+    # held: live activations per rank and direction (held[r][d]), plus with reserve the slots
+    # that a micro-batch's first F on a rank claims for its other stages there
+    depth = [[0] * dirs for _ in range(P)]
     for (d, _), r in rank.items():
-        f_left[(r, d)] += per
-    share = _shares(model, caps, depth) if rule.split else None
+        depth[r][d] += 1
+    first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
+    held = [[0] * dirs for _ in range(P)]
+    held_on = [0] * P  # held summed over directions
+    f_left = [[0] * dirs for _ in range(P)]  # F's still to run per rank and direction
+    for (d, _), r in rank.items():
+        f_left[r][d] += per
+    f_left_on = [sum(row) for row in f_left]
+    share = _shares(model, caps, Counter({(r, d): depth[r][d] for r in range(P) for d in range(dirs)})) \
+        if rule.split else None
     if rule.split and share is None:
         return None
     window = _windows(model, caps) if rule.windows else None
-    live_at: Counter = Counter()  # live activations per stage
+    live_at = dict.fromkeys(rank, 0)  # live activations per stage
     # for the bound: the work of each rank's F's and B's still to run (a B's with its weight grad),
     # less what pairing them could save at most
     work = [0.0] * P
@@ -281,32 +308,43 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
     # congestion control: a micro-batch enters only while few enough of its direction are in
     # flight (entered, stage 0's weight grad not done), so that ranks downstream never fill up
     # with forwards whose backwards come late (which starves them all at once)
-    entry = ({d: max(1, caps[rank[(d, 0)]] * rule.inflight // 8) for d in range(model.directions)}
+    entry = ({d: max(1, caps[rank[(d, 0)]] * rule.inflight // 8) for d in range(dirs)}
              if rule.inflight else None)
+    f_row, b_row, w_row, bi_row = KINDS["F"], KINDS["B"], KINDS["W"], KINDS["B[w=false]"]
+    # what an F of each stage claims on its rank: one activation, or with reserve the rank's
+    # stages of its direction when it is the micro-batch's first there
+    claim = {(d, s): (depth[rank[(d, s)]][d] if first[(d, s)] else 0) if rule.reserve else f_row.starts
+             for d, s in rank}
+    # with spare, a banker's margin: what the oldest micro-batch may still need here
+    margin = {(d, s): (depth[rank[(d, s)]][d] - 1 if first[(d, s)] else 0) if rule.spare else 0 for d, s in rank}
+    others = [[[(y, depth[r][y]) for y in range(dirs) if y != d] for d in range(dirs)] for r in range(P)]
 
-    def room(r: int, d: int, s: int) -> bool:
-        """May an F of stage (d, s) start on rank r under its cap?"""
-        need = (depth[(r, d)] if first[(d, s)] else 0) if rule.reserve else KINDS["F"].starts
-        if rule.spare:  # a banker's margin: what the oldest micro-batch may still need here
-            need += (depth[(r, d)] - 1 if first[(d, s)] else 0) + sum(
-                depth[(r, y)] for y in range(model.directions)
-                if y != d and held[(r, y)] == 0 and f_left[(r, y)] > 0)
-        if window is not None and live_at[(d, s)] + 1 > window[(d, s)]:
+    def room(r: int, d: int, ds: tuple[int, int]) -> bool:
+        """May an F of stage ``ds`` (direction d) start on rank r under its cap?"""
+        need = claim[ds] + margin[ds]
+        if rule.spare:  # and room for a direction with nothing live that still has F's to run
+            mine_held, mine_left = held[r], f_left[r]
+            for y, n in others[r][d]:
+                if mine_held[y] == 0 and mine_left[y] > 0:
+                    need += n
+        if window is not None and live_at[ds] + 1 > window[ds]:
             return False
-        if entry is not None and s == 0 and live_at[(d, 0)] >= entry[d]:
+        if entry is not None and ds[1] == 0 and live_at[ds] >= entry[d]:
             return False
         if share is not None:
-            return held[(r, d)] + need <= share[(r, d)]
-        return sum(held[(r, y)] for y in range(model.directions)) + need <= caps[r]
+            return held[r][d] + need <= share[(r, d)]
+        return held_on[r] + need <= caps[r]
 
     def lat(src: tuple[int, int], r: int) -> float:
         return c if rank[src] != r else 0.0
 
-    # per rank, its stages with where their inputs come from: (stage, d, s, the stage before it
-    # and its latency, the stage after it and its latency)
-    inputs = [[((d, s), d, s, (d, s - 1) if s > 0 else None, lat((d, s - 1), r) if s > 0 else 0.0,
+    # per rank, its stages with where their inputs come from: (stage, d, its single ops, the stage
+    # before it and its latency, the stage after it and its latency)
+    tables = {ds: model.singles(ds) for ds in rank}
+    inputs = [[((d, s), d, tables[(d, s)], (d, s - 1) if s > 0 else None, lat((d, s - 1), r) if s > 0 else 0.0,
                 (d, s + 1) if s + 1 < stages else None, lat((d, s + 1), r) if s + 1 < stages else 0.0)
                for d, s in model.stages_on[r]] for r in range(P)]
+    back = 2 if not rule.defer else 1  # the B ops the rule runs (model.singles): full, or B(w=false)
 
     def notify(consumer: tuple[int, int], at: float) -> None:
         r = rank[consumer]
@@ -320,29 +358,29 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         f = (fs[0] if len(fs) == 1 else min(fs, key=f_key)) if fs else None
         b = (bs[0] if len(bs) == 1 else min(bs, key=b_key)) if bs else None
         if f and b and rule.pair:
-            return FB(F(Key(*f[1], f[2])), B(Key(*b[1], b[2]), not rule.defer)), max(f[0], b[0])
+            return model.pair(f[1], f[2], b[1], b[2], not rule.defer), max(f[0], b[0])
         if b and (not f or rule.b_first):
-            return B(Key(*b[1], b[2]), not rule.defer), b[0]
+            return b[3][back][b[2]], b[0]
         if f:
-            return F(Key(*f[1], f[2])), f[0]
+            return f[3][0][f[2]], f[0]
         if pending:
-            k = pending[0]
+            k = pending[0].key
             if must or idle >= rule.fill * model.W[(k.d, k.s)]:
-                return W(pending.popleft()), 0.0
+                return pending.popleft(), 0.0
         return None, 0.0
 
-    def f_key(x: tuple[float, tuple[int, int], int]) -> tuple:
-        return (x[2], -level[("F",) + x[1]]) if rule.by_level else (x[2], -x[1][1])
+    def f_key(x: tuple) -> tuple:
+        return (x[2], -f_level[x[1]]) if rule.by_level else (x[2], -x[1][1])
 
-    def b_key(x: tuple[float, tuple[int, int], int]) -> tuple:
-        return (-level[("B",) + x[1]], x[2]) if rule.by_level else (x[2], -x[1][1])
+    def b_key(x: tuple) -> tuple:
+        return (-b_level[x[1]], x[2]) if rule.by_level else (x[2], -x[1][1])
 
     while heap:
         now, r = heapq.heappop(heap)
         if now != wake[r] or (left[r] == 0 and not pending[r]):
             continue
         fs, bs, soonest, blocked = [], [], INF, False
-        for ds, d, s, before, lat_before, after, lat_after in inputs[r]:
+        for ds, d, ops, before, lat_before, after, lat_after in inputs[r]:
             m = next_f[ds]  # its next F: ready when the stage before made its output
             if m < per:
                 at = 0.0 if before is None else f_end[before][m]
@@ -351,10 +389,10 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                         at += lat_before
                     if at > now:
                         soonest = min(soonest, at)
-                    elif not room(r, d, s):
+                    elif not room(r, d, ds):
                         blocked = True
                     else:
-                        fs.append((at, ds, m))
+                        fs.append((at, ds, m, ops))
             m = next_b[ds]  # its next B: ready after its own F and the stage after's B
             if m < next_f[ds]:
                 at = f_end[ds][m]
@@ -365,9 +403,9 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                     if at > now:
                         soonest = min(soonest, at)
                     else:
-                        bs.append((at, ds, m))
+                        bs.append((at, ds, m, ops))
         if follow is not None:
-            op, at = follow.pick(fs, bs, pending[r], blocked or left[r] == 0)
+            op, at = follow.pick(model, fs, bs, pending[r], blocked or left[r] == 0)
         else:
             op, at = by_rule(fs, bs, pending[r], blocked or left[r] == 0, soonest - now)
         if op is None:
@@ -381,31 +419,41 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         out[r].append(op)
         starts[r].append(begin)
         for h in halves(op):
-            k, ds, row = h.key, (h.key.d, h.key.s), kind(h)
-            held[(r, k.d)] -= row.frees
-            live_at[ds] += row.starts - row.frees
+            k = h.key
+            ds, d = (k.d, k.s), k.d
             if isinstance(h, F):
                 work[r] -= model.F[ds]
-                held[(r, k.d)] += (depth[(r, k.d)] if first[ds] else 0) if rule.reserve else KINDS["F"].starts
+                live_at[ds] += f_row.starts
+                got = claim[ds]
+                held[r][d] += got
+                held_on[r] += got
                 next_f[ds] += 1
-                f_left[(r, k.d)] -= 1
+                f_left[r][d] -= 1
+                f_left_on[r] -= 1
                 left[r] -= 1
                 f_end[ds][k.m] = end
                 notify(ds, end)
                 if k.s + 1 < stages:
-                    notify((k.d, k.s + 1), end + lat(ds, rank[(k.d, k.s + 1)]))
+                    notify((d, k.s + 1), end + lat(ds, rank[(d, k.s + 1)]))
             elif isinstance(h, B):
+                row = b_row if h.w else bi_row
                 work[r] -= model.B[ds] - (0.0 if h.w else model.W[ds])
+                held[r][d] -= row.frees
+                held_on[r] -= row.frees
+                live_at[ds] -= row.frees
                 next_b[ds] += 1
                 left[r] -= 1
                 b_end[ds][k.m] = end
                 if k.s > 0:
-                    notify((k.d, k.s - 1), end + lat(ds, rank[(k.d, k.s - 1)]))
+                    notify((d, k.s - 1), end + lat(ds, rank[(d, k.s - 1)]))
                 if not h.w:
-                    pending[r].append(k)
+                    pending[r].append(tables[ds][3][k.m])
             else:
                 work[r] -= model.W[ds]
-        f_now = sum(f_left[(r, y)] for y in range(model.directions))  # left counts F's and B's
+                held[r][d] -= w_row.frees
+                held_on[r] -= w_row.frees
+                live_at[ds] -= w_row.frees
+        f_now = f_left_on[r]  # left counts F's and B's
         if end + work[r] - min(f_now, left[r] - f_now) * saves[r] > slack:
             return None
     if any(left) or any(pending):
@@ -432,25 +480,26 @@ class _Reference:
                     f, b = ("F", op.f.key.d, op.f.key.s, op.f.key.m), ("B", op.b.key.d, op.b.key.s, op.b.key.m)
                     self.partner[f], self.partner[b] = b, f
 
-    def pick(self, fs: list, bs: list, pending: deque, blocked: bool) -> tuple[Optional[Op], float]:
+    def pick(self, model: _Model, fs: list, bs: list, pending: deque, blocked: bool) -> tuple[Optional[Op], float]:
         """The ready op (F, B, W, or an F&B pair as in the reference) that comes first there."""
         pos = self.pos
-        ready = {("F", *x[1], x[2]): x[0] for x in fs}
-        ready.update({("B", *x[1], x[2]): x[0] for x in bs})
+        ready = {("F", *x[1], x[2]): x for x in fs}
+        ready.update({("B", *x[1], x[2]): x for x in bs})
         if pending:
-            k = pending[0]
+            k = pending[0].key
             if blocked or not ready or pos[("W", k.d, k.s, k.m)] < min(pos[x] for x in ready):
-                return W(pending.popleft()), 0.0
+                return pending.popleft(), 0.0
         if not ready:
             return None, 0.0
         first = min(ready, key=lambda x: (pos[x], x[0]))
         other = self.partner.get(first)
         if other in ready:
-            f, b = (first, other) if first[0] == "F" else (other, first)
-            return FB(F(Key(*f[1:])), B(Key(*b[1:]), self.full[b[1:]])), max(ready[f], ready[b])
+            f, b = (ready[first], ready[other]) if first[0] == "F" else (ready[other], ready[first])
+            return model.pair(f[1], f[2], b[1], b[2], self.full[(*b[1], b[2])]), max(f[0], b[0])
+        x = ready[first]
         if first[0] == "F":
-            return F(Key(*first[1:])), ready[first]
-        return B(Key(*first[1:]), self.full[first[1:]]), ready[first]
+            return x[3][0][x[2]], x[0]
+        return x[3][2 if self.full[first[1:]] else 1][x[2]], x[0]
 
 
 # -- local search on the critical path --------------------------------------------------------
