@@ -31,7 +31,7 @@ import random
 from array import array
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 from .events import KINDS, Encoder, TimedOp, Timing, kind, peak, peak_live_activations, timing
 from .ir import B, F, FB, Key, Op, Schedule, ScheduleError, W, halves
@@ -74,7 +74,7 @@ class _Model:
         self.durations: list[float] = []
         self._cache: dict[Op, TimedOp] = {}
         self._unpacked: dict[int, Op] = {}
-        self._singles_of: dict[tuple[int, int], tuple[list[F], list[B], list[B], list[W]]] = {}
+        self._singles_of: dict[tuple[int, int], _Singles] = {}
         self._pairs: dict[tuple[int, int, int, int, int, int, bool], FB] = {}
         self._singles = 4 * self.directions * self.stages * self.per  # codes of single ops (pack)
         self.spent = 0  # ops timed so far: the search's work
@@ -87,14 +87,14 @@ class _Model:
             self.durations.append(self.duration(op))
         return got
 
-    def singles(self, ds: tuple[int, int]) -> tuple[list[F], list[B], list[B], list[W]]:
+    def singles(self, ds: tuple[int, int]) -> "_Singles":
         """Stage ``ds``'s single ops by micro-batch (F, B(w=false), B, W), made once and shared,
         so that the list scheduler does not build an op object per op it places."""
         got = self._singles_of.get(ds)
         if got is None:
             keys = [Key(*ds, m) for m in range(self.per)]
-            got = self._singles_of[ds] = ([F(k) for k in keys], [B(k, False) for k in keys],
-                                          [B(k, True) for k in keys], [W(k) for k in keys])
+            got = self._singles_of[ds] = _Singles([F(k) for k in keys], [B(k, False) for k in keys],
+                                                  [B(k, True) for k in keys], [W(k) for k in keys])
         return got
 
     def pair(self, f: tuple[int, int], fm: int, b: tuple[int, int], bm: int, w: bool) -> FB:
@@ -102,7 +102,7 @@ class _Model:
         key = (*f, fm, *b, bm, w)
         got = self._pairs.get(key)
         if got is None:
-            got = self._pairs[key] = FB(self.singles(f)[0][fm], self.singles(b)[2 if w else 1][bm])
+            got = self._pairs[key] = FB(self.singles(f).f[fm], self.singles(b).backward(w)[bm])
         return got
 
     def pack(self, ops: list[list[Op]]) -> "Packed":
@@ -162,6 +162,18 @@ class _Model:
 
 
 Lists = list[list[TimedOp]]
+
+
+class _Singles(NamedTuple):
+    """One stage's single ops by micro-batch (:meth:`_Model.singles`)."""
+
+    f: list[F]
+    b_input: list[B]  # B(w=false)
+    b_full: list[B]
+    w: list[W]
+
+    def backward(self, full: bool) -> list[B]:
+        return self.b_full if full else self.b_input
 Packed = list[bytes]  # an order as int64 codes, one array per rank (:meth:`_Model.pack`)
 
 
@@ -344,7 +356,6 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
     inputs = [[((d, s), d, tables[(d, s)], (d, s - 1) if s > 0 else None, lat((d, s - 1), r) if s > 0 else 0.0,
                 (d, s + 1) if s + 1 < stages else None, lat((d, s + 1), r) if s + 1 < stages else 0.0)
                for d, s in model.stages_on[r]] for r in range(P)]
-    back = 2 if not rule.defer else 1  # the B ops the rule runs (model.singles): full, or B(w=false)
 
     def notify(consumer: tuple[int, int], at: float) -> None:
         r = rank[consumer]
@@ -360,9 +371,9 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         if f and b and rule.pair:
             return model.pair(f[1], f[2], b[1], b[2], not rule.defer), max(f[0], b[0])
         if b and (not f or rule.b_first):
-            return b[3][back][b[2]], b[0]
+            return b[3].backward(not rule.defer)[b[2]], b[0]
         if f:
-            return f[3][0][f[2]], f[0]
+            return f[3].f[f[2]], f[0]
         if pending:
             k = pending[0].key
             if must or idle >= rule.fill * model.W[(k.d, k.s)]:
@@ -447,7 +458,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                 if k.s > 0:
                     notify((d, k.s - 1), end + lat(ds, rank[(d, k.s - 1)]))
                 if not h.w:
-                    pending[r].append(tables[ds][3][k.m])
+                    pending[r].append(tables[ds].w[k.m])
             else:
                 work[r] -= model.W[ds]
                 held[r][d] -= w_row.frees
@@ -498,8 +509,8 @@ class _Reference:
             return model.pair(f[1], f[2], b[1], b[2], self.full[(*b[1], b[2])]), max(f[0], b[0])
         x = ready[first]
         if first[0] == "F":
-            return x[3][0][x[2]], x[0]
-        return x[3][2 if self.full[first[1:]] else 1][x[2]], x[0]
+            return x[3].f[x[2]], x[0]
+        return x[3].backward(self.full[first[1:]])[x[2]], x[0]
 
 
 # -- local search on the critical path --------------------------------------------------------
