@@ -211,19 +211,23 @@ def test_an_in_flight_window_ends_the_warm_up_flood() -> None:
 
 def test_the_list_schedulers_bound_drops_only_longer_orders(monkeypatch) -> None:
     """A list schedule stopped at a bound below its makespan is dropped, one within it is kept as
-    it is (every rule, at K and at DeepSeek's peak, per-stage costs whose pairs save unevenly);
-    and the search, which bounds each list schedule by the sixth best so far, finds the same
-    order as without bounds (DualPipeV P=4 M=8 at K, 41 candidates)."""
+    it is (every rule, alone and following DeepSeek's order, at K and at DeepSeek's peak,
+    per-stage costs whose pairs save unevenly), and every rank of each stays within the cap,
+    which the search does not check again; and the search, which bounds each list schedule by
+    the sixth best so far, finds the same order as without bounds (DualPipeV P=4 M=8 at K, 41
+    candidates)."""
     sched = build_schedule("dualpipev", 4, 8)
     costs = stage_costs(sched, "c")
     model = _Model(sched, costs)
     budget = -(-3 * deepseek_peak(sched) // 4)
+    follow = optimize._Reference(sched.ops)
     for cap in (budget, deepseek_peak(sched)):
-        for rule in _RULES + _BUDGET_RULES:
-            got = _list_schedule(model, [cap] * sched.ranks, rule)
+        for rule, ref in [(rule, None) for rule in _RULES + _BUDGET_RULES] + [(rule, follow) for rule in _BUDGET_RULES]:
+            got = _list_schedule(model, [cap] * sched.ranks, rule, ref)
             if got is not None:
-                assert _list_schedule(model, [cap] * sched.ranks, rule, bound=got[0][0]) == got
-                assert _list_schedule(model, [cap] * sched.ranks, rule, bound=0.99 * got[0][0]) is None
+                assert max(peak_live_activations(ops) for ops in got[1]) <= cap
+                assert _list_schedule(model, [cap] * sched.ranks, rule, ref, got[0][0]) == got
+                assert _list_schedule(model, [cap] * sched.ranks, rule, ref, 0.99 * got[0][0]) is None
     bounded = optimize_order(sched, costs, max_activations=budget)
 
     def unbounded(model, caps, rule, follow=None, bound=float("inf")):

@@ -273,6 +273,8 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
     with ``follow``, ready ops are ranked by their place in that order (and paired as there).
     Returns the order and its :func:`_score`: each op starts when its rank is free and its
     inputs are in, which are :func:`~.events.timing`'s rules, so the score is the timing's.
+    Every rank's peak of live activations stays within its cap, with no check afterwards: an F
+    starts only where ``room`` counts at least the activations live (a reservation, more).
     None if a rank stalls for memory, or once the makespan is sure to exceed ``bound`` (a rank's
     clock plus the least time its ops still to run can take, every possible pair paired)."""
     rank, per, stages, c, dirs = model.rank, model.per, model.stages, model.c, model.directions
@@ -745,9 +747,8 @@ def _build(model: _Model, caps: list[int], candidates: list, given: list[list[li
                              min(bound, best[-1][0][0] if len(best) == _BUILT_SEEDS else INF))
         if got is None or any(got[1] == order for order in given):
             continue
-        if all(peak_live_activations(ops) <= cap for ops, cap in zip(got[1], caps)):
-            out.append((got[0], i, model.pack(got[1])))
-            best = _keep(best, out[-1])
+        out.append((got[0], i, model.pack(got[1])))
+        best = _keep(best, out[-1])
     return [entry for entry in out if len(best) < _BUILT_SEEDS or entry[0] <= best[-1][0]]
 
 
