@@ -771,12 +771,12 @@ def _search(model: _Model, caps: list[int], seeds: list[list[list[Op]]], budget:
             rules: tuple[_Rule, ...] = _RULES, follow: tuple[list[list[Op]], ...] = ()) -> list[tuple[tuple[float, float], Packed]]:
     """Local search from each seed and from the best distinct orders (none equal to a seed) the
     list scheduler builds under ``caps`` by any of ``rules`` (and following each order in
-    ``follow``), by successive halving: every start gets a short search (``budget // 4``
-    op-simulations), the best half of them a longer one, and so on until one is left
-    (``budget`` in the last round), so that no start is judged by its list-scheduled length
-    alone. Every list schedule and every search is one piece for ``workers``; with more than
-    one worker, each first builds one list schedule unbounded, and the sixth best of those
-    bounds the rest."""
+    ``follow``), by successive halving within :func:`_halving_work`: every start gets a short
+    search (``budget // 8`` op-simulations), the best half of them twice as long, and so on
+    until one is left, which gets the rest: no start is judged by its list-scheduled length
+    alone, and the best goes deepest (a descent there is what the work cuts short). Every list
+    schedule and every search is one piece for ``workers``; with more than one worker, each
+    first builds one list schedule unbounded, and the sixth best of those bounds the rest."""
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
         admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
@@ -798,14 +798,31 @@ def _search(model: _Model, caps: list[int], seeds: list[list[list[Op]]], budget:
         built += build([rest[w::workers.count] for w in range(workers.count)], bound)
     starts = [model.pack(ops) for ops in seeds] + [kept[2] for kept in _best_built(built)]
     found: list[tuple[tuple[float, float], Packed]] = []
-    share = max(1, budget // 4)
+    left, share = _halving_work(len(starts), budget), max(1, budget // 8)
     while starts:
+        if len(starts) == 1:
+            share = left
         ranked = sorted((score, k, ops) for k, (score, ops) in
                         enumerate(workers.map(lambda start: _searched(model, start, caps, share), starts)))
+        left -= share * len(starts)
         found += [(score, ops) for score, _, ops in ranked]
         starts = [ops for _, _, ops in ranked[:len(ranked) // 2]]
-        share = min(budget, 2 * share)
+        share *= 2
     return found
+
+
+def _halving_work(starts: int, budget: int) -> int:
+    """The whole work of :func:`_search`'s successive halving over ``starts`` starts: what rounds
+    of ``budget // 4``, ``budget // 2``, then ``budget`` op-simulations per start would take,
+    the better half going on each time. :func:`_search` gives each round's starts half those
+    shares and the last start what is left: from six list schedules, 4 x ``budget`` in all,
+    of which 2.5 x on the best (with the shares above it would get 1 x)."""
+    total, share = 0, max(1, budget // 4)
+    while starts:
+        total += starts * share
+        starts //= 2
+        share = min(budget, 2 * share)
+    return total
 
 
 def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[int] = None,
