@@ -255,6 +255,28 @@ def test_each_distinct_order_starts_one_search(monkeypatch) -> None:
     assert all(a != b for i, a in enumerate(first_round) for b in first_round[:i])
 
 
+def test_the_halving_gives_the_best_start_the_rest_of_its_work(monkeypatch) -> None:
+    """optimize._search spends _halving_work in all (rounds of budget/4, budget/2, budget per
+    start: 4 x budget for six starts, by hand), each round's starts half those shares, and the
+    last start left what remains: 2.5 x budget for six (DualPipeV P=4 M=8 at K, six list
+    schedules and no seed, as when the input is above the budget)."""
+    sched = build_schedule("dualpipev", 4, 8)
+    model = _Model(sched, stage_costs(sched, "b"))
+    caps = [-(-3 * deepseek_peak(sched) // 4)] * sched.ranks
+    works: list[int] = []
+    search = optimize._local_search
+
+    def recorded(model, lists, caps, work):
+        works.append(work)
+        return search(model, lists, caps, work)
+
+    monkeypatch.setattr(optimize, "_local_search", recorded)
+    budget = 8000
+    assert optimize._halving_work(6, budget) == 4 * budget
+    optimize._search(model, caps, [], budget, optimize.SerialWorkers(), _RULES + _BUDGET_RULES)
+    assert works == [budget // 8] * 6 + [budget // 4] * 3 + [5 * budget // 2]
+
+
 class LastFirstWorkers:
     """``count`` workers in one process, the pieces run last first: no piece may see another's
     results or depend on what ran before it (the pipeline ranks run them apart)."""
