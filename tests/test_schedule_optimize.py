@@ -277,6 +277,20 @@ def test_the_halving_gives_the_best_start_the_rest_of_its_work(monkeypatch) -> N
     assert works == [budget // 8] * 6 + [budget // 4] * 3 + [5 * budget // 2]
 
 
+def test_packed_orders_unpack_to_the_same_ops() -> None:
+    """_Model.pack/unpack, how workers hand each other orders: every kind (F, B, B(w=false), W
+    and F&B pairs with either backward) comes back equal, as the shared op objects."""
+    sched = build_schedule("dualpipe", 4, 8)
+    model = _Model(sched, stage_costs(sched, "c"))
+    kinds = set()
+    for ops in (sched.ops, _split_weight_grads(sched.ops)):
+        kinds |= {(type(op).__name__, getattr(op, "w", getattr(getattr(op, "b", None), "w", None)))
+                  for row in ops for op in row}
+        back = model.unpack(model.pack(ops))
+        assert back == ops and model.unpack(model.pack(ops))[0][0] is back[0][0]
+    assert kinds == {("F", None), ("W", None), ("B", True), ("B", False), ("FB", True), ("FB", False)}
+
+
 class LastFirstWorkers:
     """``count`` workers in one process, the pieces run last first: no piece may see another's
     results or depend on what ran before it (the pipeline ranks run them apart)."""

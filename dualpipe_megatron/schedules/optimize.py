@@ -108,15 +108,15 @@ class _Model:
     def pack(self, ops: list[list[Op]]) -> "Packed":
         """An order as one array of int64 codes per rank, which workers hand each other far
         faster than op objects: a single op's code is ((kind * D + d) * S + s) * M + m with kind
-        0 F, 1 B(w=false), 2 B, 3 W; an F&B pair's is N + f * N + b, N the number of single codes."""
+        its field in :class:`_Singles` (F, B(w=false), B, W); an F&B pair's is N + f * N + b, N
+        the number of single codes."""
         n, single = self._singles, self._single
         return [array("q", [n + single(op.f) * n + single(op.b) if isinstance(op, FB) else single(op)
                             for op in row]).tobytes() for row in ops]
 
     def _single(self, op: Op) -> int:
         k = op.key
-        code = 0 if isinstance(op, F) else 3 if isinstance(op, W) else 2 if op.w else 1
-        return ((code * self.directions + k.d) * self.stages + k.s) * self.per + k.m
+        return ((_Singles.field(op) * self.directions + k.d) * self.stages + k.s) * self.per + k.m
 
     def unpack(self, rows: "Packed") -> list[list[Op]]:
         """The ops of :meth:`pack`'s rows (one shared object per op)."""
@@ -138,9 +138,8 @@ class _Model:
             return FB(self._decode(f), self._decode(b))
         rest, m = divmod(code, self.per)
         rest, s = divmod(rest, self.stages)
-        kind_code, d = divmod(rest, self.directions)
-        key = Key(d, s, m)
-        return F(key) if kind_code == 0 else W(key) if kind_code == 3 else B(key, kind_code == 2)
+        field, d = divmod(rest, self.directions)
+        return self.singles((d, s))[field][m]
 
     def time(self, lists: "Lists", since: Optional[tuple[Timing, int, int]] = None) -> Optional[Timing]:
         """Float timing with simulate()'s rules; None when the order is invalid (a rank stalls).
@@ -165,7 +164,8 @@ Lists = list[list[TimedOp]]
 
 
 class _Singles(NamedTuple):
-    """One stage's single ops by micro-batch (:meth:`_Model.singles`)."""
+    """One stage's single ops by micro-batch (:meth:`_Model.singles`); a field's index is its
+    kind's code in :meth:`_Model.pack`."""
 
     f: list[F]
     b_input: list[B]  # B(w=false)
@@ -174,6 +174,12 @@ class _Singles(NamedTuple):
 
     def backward(self, full: bool) -> list[B]:
         return self.b_full if full else self.b_input
+
+    @staticmethod
+    def field(op: F | B | W) -> int:
+        """The index of the field that holds ``op``'s kind."""
+        return 0 if isinstance(op, F) else 3 if isinstance(op, W) else 2 if op.w else 1
+
 Packed = list[bytes]  # an order as int64 codes, one array per rank (:meth:`_Model.pack`)
 
 
