@@ -180,6 +180,7 @@ class _Singles(NamedTuple):
         """The index of the field that holds ``op``'s kind."""
         return 0 if isinstance(op, F) else 3 if isinstance(op, W) else 2 if op.w else 1
 
+
 Packed = list[bytes]  # an order as int64 codes, one array per rank (:meth:`_Model.pack`)
 
 
