@@ -306,11 +306,9 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
         depth[r][d] += 1
     first = {(d, s): min(x for y, x in model.stages_on[rank[(d, s)]] if y == d) == s for d, s in rank}
     held = [[0] * dirs for _ in range(P)]
-    held_on = [0] * P  # held summed over directions
     f_left = [[0] * dirs for _ in range(P)]  # F's still to run per rank and direction
     for (d, _), r in rank.items():
         f_left[r][d] += per
-    f_left_on = [sum(row) for row in f_left]
     share = _shares(model, caps, Counter({(r, d): depth[r][d] for r in range(P) for d in range(dirs)})) \
         if rule.split else None
     if rule.split and share is None:
@@ -354,7 +352,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
             return False
         if share is not None:
             return held[r][d] + need <= share[(r, d)]
-        return held_on[r] + need <= caps[r]
+        return sum(held[r]) + need <= caps[r]
 
     def lat(src: tuple[int, int], r: int) -> float:
         return c if rank[src] != r else 0.0
@@ -446,10 +444,8 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                 live_at[ds] += f_row.starts
                 got = claim[ds]
                 held[r][d] += got
-                held_on[r] += got
                 next_f[ds] += 1
                 f_left[r][d] -= 1
-                f_left_on[r] -= 1
                 left[r] -= 1
                 f_end[ds][k.m] = end
                 notify(ds, end)
@@ -459,7 +455,6 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                 row = b_row if h.w else bi_row
                 work[r] -= model.B[ds] - (0.0 if h.w else model.W[ds])
                 held[r][d] -= row.frees
-                held_on[r] -= row.frees
                 live_at[ds] -= row.frees
                 next_b[ds] += 1
                 left[r] -= 1
@@ -471,9 +466,8 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
             else:
                 work[r] -= model.W[ds]
                 held[r][d] -= w_row.frees
-                held_on[r] -= w_row.frees
                 live_at[ds] -= w_row.frees
-        f_now = f_left_on[r]  # left counts F's and B's
+        f_now = sum(f_left[r])  # left counts F's and B's
         if end + work[r] - min(f_now, left[r] - f_now) * saves[r] > slack:
             return None
     if any(left) or any(pending):
