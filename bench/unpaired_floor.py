@@ -33,7 +33,7 @@ import math
 from fractions import Fraction
 from typing import Union
 
-from dualpipe_megatron.schedules import FB, Costs, Schedule, ScheduleError, build_schedule, simulate
+from dualpipe_megatron.schedules import B, F, FB, Costs, Key, Schedule, ScheduleError, build_schedule, simulate
 from dualpipe_megatron.schedules.cli import markdown_table, positive_ints
 from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.simulate import StageCosts
@@ -62,7 +62,8 @@ def tip_floor(sched: Schedule, costs: Union[Costs, StageCosts], cap: int) -> tup
     tail = sum(cost[s].F for s in beyond) + sum(bi.values()) + cost[0].W + (3 * P - 3) * c
     cool = tail - cap * max(cost[s].B for s in tip)
     work = M * sum(cost[s].F + cost[s].B for s in tip)
-    saves = max(cost[f].F + cost[b].B - (table.fb_ratio * (cost[f].F + cost[b].B) - cost[f].Fo - cost[b].Bo)
+    key = {s: Key(0, s, 0) for s in tip}
+    saves = max(table.duration(F(key[f])) + table.duration(B(key[b])) - table.duration(FB(F(key[f]), B(key[b])))
                 for f in tip for b in tip)
     return work + max(warm, Fraction(0)) + max(cool, Fraction(0)), saves
 
