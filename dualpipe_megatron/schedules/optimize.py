@@ -58,18 +58,13 @@ class _Model:
         self.c = float(costs.c)
         if isinstance(costs, StageCosts):
             costs.check_covers(sched)
-            table = {ds: costs.stages[ds] for ds in self.rank}
-            ratio = float(costs.fb_ratio)
-            fo = {ds: float(v.Fo) for ds, v in table.items()}
-            bo = {ds: float(v.Bo) for ds, v in table.items()}
-            self.fb = lambda f, b: ratio * (self.F[f] + self.B[b]) - fo[f] - bo[b]
-        else:
-            table = {ds: costs for ds in self.rank}
-            pair = float(costs.FB)
-            self.fb = lambda f, b: pair
-        self.F = {ds: float(v.F) for ds, v in table.items()}
-        self.B = {ds: float(v.B) for ds, v in table.items()}
-        self.W = {ds: float(v.W) for ds, v in table.items()}
+        self.costs = costs
+        self._by_kind: dict[tuple[int, ...], float] = {}  # durations by kind and stage(s)
+        keys = {ds: Key(*ds, 0) for ds in self.rank}
+        self.F = {ds: self.duration(F(k)) for ds, k in keys.items()}
+        self.B = {ds: self.duration(B(k, True)) for ds, k in keys.items()}  # with its weight grad
+        self.B_input = {ds: self.duration(B(k, False)) for ds, k in keys.items()}
+        self.W = {ds: self.duration(W(k)) for ds, k in keys.items()}
         self.encoder = Encoder(sched)
         self.durations: list[float] = []
         self._cache: dict[Op, TimedOp] = {}
@@ -149,15 +144,21 @@ class _Model:
         return t if t.complete else None
 
     def duration(self, op: Op) -> float:
+        """``op``'s duration by the costs' own rule (:meth:`~.simulate.StageCosts.duration`), as a
+        float; it depends only on the op's kinds and stages, so it is worked out once for each."""
         if isinstance(op, FB):
-            b = (op.b.key.d, op.b.key.s)
-            return self.fb((op.f.key.d, op.f.key.s), b) - (0.0 if op.b.w else self.W[b])
-        ds = (op.key.d, op.key.s)
-        if isinstance(op, F):
-            return self.F[ds]
-        if isinstance(op, B):
-            return self.B[ds] - (0.0 if op.w else self.W[ds])
-        return self.W[ds]
+            kind_at = (4, op.f.key.d, op.f.key.s, op.b.key.d, op.b.key.s, op.b.w)
+        else:
+            kind_at = (_Singles.field(op), op.key.d, op.key.s)
+        got = self._by_kind.get(kind_at)
+        if got is None:
+            got = self._by_kind[kind_at] = float(self.costs.duration(op))
+        return got
+
+    def pair_saves(self, f: tuple[int, int], b: tuple[int, int]) -> float:
+        """What running stage ``f``'s F and stage ``b``'s full B as one F&B pair saves."""
+        pair = FB(F(Key(*f, 0)), B(Key(*b, 0), True))
+        return self.F[f] + self.B[b] - self.duration(pair)
 
 
 Lists = list[list[TimedOp]]
@@ -251,7 +252,7 @@ def _windows(model: _Model, caps: list[int]) -> dict[tuple[int, int], int]:
     life = {}
     for d, s in model.rank:
         life[(d, s)] = (sum(model.F[(d, x)] for x in range(s + 1, model.stages))
-                        + sum(model.B[(d, x)] - model.W[(d, x)] for x in range(s, model.stages)) + model.W[(d, s)])
+                        + sum(model.B_input[(d, x)] for x in range(s, model.stages)) + model.W[(d, s)])
     out = {}
     for r in range(model.ranks):
         mine = sorted(model.stages_on[r], key=lambda k: (-life[k], k))
@@ -267,10 +268,10 @@ def _levels(model: _Model) -> dict[tuple[str, int, int], float]:
     """Static tail length of F and B at each stage: the work on the path from it to the end."""
     out = {}
     for d, s in model.rank:
-        back = sum(model.B[(d, x)] - model.W[(d, x)] for x in range(s + 1))
+        back = sum(model.B_input[(d, x)] for x in range(s + 1))
         out[("B", d, s)] = back
         out[("F", d, s)] = (sum(model.F[(d, x)] for x in range(s, model.stages))
-                            + sum(model.B[(d, x)] - model.W[(d, x)] for x in range(model.stages)))
+                            + sum(model.B_input[(d, x)] for x in range(model.stages)))
     return out
 
 
@@ -321,7 +322,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
     for ds in rank:
         work[rank[ds]] += per * (model.F[ds] + model.B[ds])
     pairs = rule.pair or follow is not None
-    saves = [max([0.0] + [model.F[f] + model.B[b] - model.fb(f, b) for f in model.stages_on[r]
+    saves = [max([0.0] + [model.pair_saves(f, b) for f in model.stages_on[r]
                           for b in model.stages_on[r]]) if pairs else 0.0 for r in range(P)]
     slack = bound + 1e-9 * max(1.0, bound)  # float sums of the work are not exact
     # congestion control: a micro-batch enters only while few enough of its direction are in
@@ -453,7 +454,7 @@ def _list_schedule(model: _Model, caps: list[int], rule: _Rule, follow: Optional
                     notify((d, k.s + 1), end + lat(ds, rank[(d, k.s + 1)]))
             elif isinstance(h, B):
                 row = b_row if h.w else bi_row
-                work[r] -= model.B[ds] - (0.0 if h.w else model.W[ds])
+                work[r] -= model.B[ds] if h.w else model.B_input[ds]
                 held[r][d] -= row.frees
                 live_at[ds] -= row.frees
                 next_b[ds] += 1
