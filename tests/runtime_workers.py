@@ -467,9 +467,9 @@ def shared_search(rank: int, world: int) -> dict[str, Any]:
     """The ranks share the op-order search (DualPipeV, M = 4P, F&B 0.8 of F+B, K = 4 below
     DeepSeek's peak of 2P+1, little work): the order equals one process's; ranks with other
     inputs (rank 1), and a piece that raises on one rank (task P+1, on rank 1), raise on every
-    rank instead of leaving the others waiting."""
+    rank instead of leaving the others waiting; objects of different lengths gather whole."""
     from dualpipe_megatron.runtime import PlanMismatchError
-    from dualpipe_megatron.runtime.shared_search import RankWorkers, SearchFailedError
+    from dualpipe_megatron.runtime.shared_search import RankWorkers, SearchFailedError, all_gather_pickled
     from dualpipe_megatron.schedules import Costs, build_schedule
     from dualpipe_megatron.schedules.optimize import optimize_order
 
@@ -489,6 +489,7 @@ def shared_search(rank: int, world: int) -> dict[str, Any]:
     except SearchFailedError as exc:
         out["failed"] = str(exc)
     out["merged"] = RankWorkers(group, {}).map(lambda task: (task, rank), list(range(5)))
+    out["gathered"] = all_gather_pickled("x" * 1000 * rank, group)  # lengths differ, rank 0's is the shortest
     return out
 
 

@@ -184,6 +184,7 @@ def test_ranks_share_the_op_order_search(world: int) -> None:
             "in: budget)" in result["mismatch"], result
         assert "failed on pipeline rank 1: ZeroDivisionError" in result["failed"], result
         assert result["merged"] == [(task, task % world) for task in range(5)], result
+        assert result["gathered"] == ["x" * 1000 * r for r in range(world)], rank
 
 
 def _assert_peers_raised(results: list, failed: int, limit: float) -> list[str]:

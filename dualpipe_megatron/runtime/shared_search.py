@@ -14,11 +14,36 @@ inputs, which the ranks compare first.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from .agreement import PlanMismatchError
+
+
+def all_gather_pickled(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``obj``, by rank: torch's ``all_gather_object`` method (pickle, gather the
+    lengths, gather the bytes padded to the longest), but the padded bytes are copied into a
+    fresh zeroed tensor. ``all_gather_object`` resizes a tensor made on the pickle's own buffer
+    in place, and gloo gathered such a tensor about 6x slower: with 16 ranks on this machine's
+    2 cores, 100 KB from one rank took 750 ms a gather against 115 ms (the results of the
+    search's pieces are orders of about that size)."""
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu"))
+    data = pickle.dumps(obj)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(group.size())]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n) for n in lengths]
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    every = torch.empty(longest * group.size(), dtype=torch.uint8, device=device)
+    dist.all_gather(list(every.split(longest)), mine, group=group)
+    raw = every.cpu().numpy().tobytes()
+    return [pickle.loads(raw[r * longest:r * longest + size]) for r, size in enumerate(sizes)]
 
 
 class SearchFailedError(RuntimeError):
@@ -34,8 +59,7 @@ class RankWorkers:
     def __init__(self, group: dist.ProcessGroup, inputs: dict[str, str]) -> None:
         self.group, self.count, self.rank = group, group.size(), group.rank()
         mine = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in inputs.items()}
-        every: list[Any] = [None] * self.count
-        dist.all_gather_object(every, mine, group=group)
+        every = all_gather_pickled(mine, group)
         odd = [r for r, theirs in enumerate(every) if theirs != every[0]]
         if odd:
             parts = sorted(name for name in every[0] if every[odd[0]].get(name) != every[0][name])
@@ -55,9 +79,8 @@ class RankWorkers:
             except Exception as exc:  # the other ranks wait in the gather below: reach it
                 failure = exc
                 break
-        every: list[Any] = [None] * self.count
-        dist.all_gather_object(every, (mine, None if failure is None else f"{type(failure).__name__}: {failure}"),
-                               group=self.group)
+        every = all_gather_pickled((mine, None if failure is None else f"{type(failure).__name__}: {failure}"),
+                                   self.group)
         failed = [(rank, said) for rank, (_, said) in enumerate(every) if said is not None]
         if failed:
             rank, said = failed[0]
@@ -66,4 +89,4 @@ class RankWorkers:
         return [merged[i] for i in range(len(tasks))]
 
 
-__all__ = ["RankWorkers", "SearchFailedError"]
+__all__ = ["RankWorkers", "SearchFailedError", "all_gather_pickled"]
