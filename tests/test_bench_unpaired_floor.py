@@ -19,8 +19,9 @@ from unpaired_floor import tip_floor  # noqa: E402
 
 from dualpipe_megatron.schedules import FB, Costs, ScheduleError, build_schedule, simulate  # noqa: E402
 from dualpipe_megatron.schedules.events import peak_live_activations  # noqa: E402
-from dualpipe_megatron.schedules.optimize import (  # noqa: E402
-    _BUDGET_RULES, _RULES, _list_schedule, _Model, _named, _sequential)
+from dualpipe_megatron.schedules.list_scheduler import BUDGET_RULES, RULES, list_schedule  # noqa: E402
+from dualpipe_megatron.schedules.optimize import _named, _sequential  # noqa: E402
+from dualpipe_megatron.schedules.order_model import OrderModel  # noqa: E402
 
 
 def test_the_hand_derived_floors() -> None:
@@ -38,11 +39,11 @@ def test_the_hand_derived_floors() -> None:
 def test_no_order_beats_the_floor(which: str, microbatches: int) -> None:
     sched = build_schedule("dualpipev", 4, microbatches)
     costs = costs_for(sched, which)
-    model = _Model(sched, costs)
+    model = OrderModel(sched, costs)
     orders = [sched.ops, _sequential(model)]
     for cap in (5, 7, 9):
-        orders += [got[1] for rule in _RULES + _BUDGET_RULES
-                   if (got := _list_schedule(model, [cap] * sched.ranks, rule)) is not None]
+        orders += [got[1] for rule in RULES + BUDGET_RULES
+                   if (got := list_schedule(model, [cap] * sched.ranks, rule)) is not None]
     assert len(orders) > 20
     closest = None
     for ops in orders:

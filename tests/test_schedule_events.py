@@ -99,20 +99,21 @@ def test_replay_times_like_the_event_driven_timer(name: str, ranks: int, m: int)
 def test_a_resumed_timing_equals_the_full_one(name: str) -> None:
     """timing(since=...) re-times only what follows the first changed op: after any of the
     optimizer's moves it gives every start, the makespan and validity exactly as timing() does."""
-    from dualpipe_megatron.schedules.optimize import _Model, _moves
+    from dualpipe_megatron.schedules.local_search import moves_at
+    from dualpipe_megatron.schedules.order_model import OrderModel
     from dualpipe_megatron.schedules.simulate import StageCost, StageCosts
 
     sched = build_schedule(name, 4, 8)
     rng = random.Random(3)
     costs = StageCosts({ds: StageCost(Fraction(rng.randint(7, 13), 10), Fraction(2), Fraction(1, 2))
                         for ds in sched.placement}, Fraction(4, 5), Fraction(1, 20))
-    model = _Model(sched, costs)
+    model = OrderModel(sched, costs)
     lists = [[model.enc(op) for op in ops] for ops in sched.ops]
     old = model.time(lists)
     checked = invalid = 0
     for _ in range(150):
         r = rng.randrange(sched.ranks)
-        for at, changed in _moves(model, lists[r], rng.randrange(len(lists[r]))):
+        for at, changed in moves_at(model, lists[r], rng.randrange(len(lists[r]))):
             trial = lists[:r] + [changed] + lists[r + 1:]
             full, resumed = model.time(trial), model.time(trial, (old, r, at))
             assert (full is None) == (resumed is None)

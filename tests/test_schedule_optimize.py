@@ -14,8 +14,9 @@ from dualpipe_megatron.schedules import optimize
 from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import ScheduleError
 from dualpipe_megatron.schedules.ir import B, FB, W
-from dualpipe_megatron.schedules.optimize import (
-    _BUDGET_RULES, _RULES, SEARCH_WORK, _list_schedule, _Model, _score, _split_weight_grads, min_activations, optimize_order)
+from dualpipe_megatron.schedules.list_scheduler import BUDGET_RULES, RULES, Reference, list_schedule
+from dualpipe_megatron.schedules.optimize import SEARCH_WORK, _split_weight_grads, min_activations, optimize_order
+from dualpipe_megatron.schedules.order_model import OrderModel, order_score
 from dualpipe_megatron.schedules.events import peak, peak_live_activations
 from dualpipe_megatron.schedules.simulate import StageCost, StageCosts
 
@@ -192,18 +193,18 @@ def test_an_in_flight_window_ends_the_warm_up_flood() -> None:
     F+B and K = 25 the best such list schedule is >= 5% shorter than the best one without it
     (measured 252.5 against 274), and every one stays within K with the score it reports."""
     sched = build_schedule("dualpipev", 16, 32)
-    model = _Model(sched, stage_costs(sched, "b"))
+    model = OrderModel(sched, stage_costs(sched, "b"))
     budget = -(-3 * deepseek_peak(sched) // 4)
     best: dict[bool, float] = {}
-    for rule in _RULES + _BUDGET_RULES:
-        got = _list_schedule(model, [budget] * sched.ranks, rule)
+    for rule in RULES + BUDGET_RULES:
+        got = list_schedule(model, [budget] * sched.ranks, rule)
         if got is None:
             continue
         score, order = got
         lists = [[model.enc(op) for op in ops] for ops in order]
         timed = model.time(lists)
         assert timed is not None and max(peak(ops) for ops in lists) <= budget
-        assert score == _score(timed)  # the list scheduler's own timing is the events core's
+        assert score == order_score(timed)  # the list scheduler's own timing is the events core's
         windowed = rule.inflight > 0
         best[windowed] = min(best.get(windowed, float("inf")), timed.makespan)
     assert best[True] <= 0.95 * best[False]
@@ -218,22 +219,22 @@ def test_the_list_schedulers_bound_drops_only_longer_orders(monkeypatch) -> None
     candidates)."""
     sched = build_schedule("dualpipev", 4, 8)
     costs = stage_costs(sched, "c")
-    model = _Model(sched, costs)
+    model = OrderModel(sched, costs)
     budget = -(-3 * deepseek_peak(sched) // 4)
-    follow = optimize._Reference(sched.ops)
+    follow = Reference(sched.ops)
     for cap in (budget, deepseek_peak(sched)):
-        for rule, ref in [(rule, None) for rule in _RULES + _BUDGET_RULES] + [(rule, follow) for rule in _BUDGET_RULES]:
-            got = _list_schedule(model, [cap] * sched.ranks, rule, ref)
+        for rule, ref in [(rule, None) for rule in RULES + BUDGET_RULES] + [(rule, follow) for rule in BUDGET_RULES]:
+            got = list_schedule(model, [cap] * sched.ranks, rule, ref)
             if got is not None:
                 assert max(peak_live_activations(ops) for ops in got[1]) <= cap
-                assert _list_schedule(model, [cap] * sched.ranks, rule, ref, got[0][0]) == got
-                assert _list_schedule(model, [cap] * sched.ranks, rule, ref, 0.99 * got[0][0]) is None
+                assert list_schedule(model, [cap] * sched.ranks, rule, ref, got[0][0]) == got
+                assert list_schedule(model, [cap] * sched.ranks, rule, ref, 0.99 * got[0][0]) is None
     bounded = optimize_order(sched, costs, max_activations=budget)
 
     def unbounded(model, caps, rule, follow=None, bound=float("inf")):
-        return _list_schedule(model, caps, rule, follow)  # the search passes its bound positionally
+        return list_schedule(model, caps, rule, follow)  # the search passes its bound positionally
 
-    monkeypatch.setattr(optimize, "_list_schedule", unbounded)
+    monkeypatch.setattr(optimize, "list_schedule", unbounded)
     assert optimize_order(sched, costs, max_activations=budget).ops == bounded.ops
 
 
@@ -242,13 +243,13 @@ def test_each_distinct_order_starts_one_search(monkeypatch) -> None:
     the six shortest once repeated one order); the search starts once from each distinct one."""
     sched = build_schedule("dualpipe", 4, 8)
     starts: list[tuple[int, list]] = []
-    search = optimize._local_search
+    search = optimize.local_search
 
     def recorded(model, lists, caps, work):
         starts.append((work, [[o.op for o in ops] for ops in lists]))
         return search(model, lists, caps, work)
 
-    monkeypatch.setattr(optimize, "_local_search", recorded)
+    monkeypatch.setattr(optimize, "local_search", recorded)
     optimize_order(sched, stage_costs(sched, "b"), max_activations=-(-3 * deepseek_peak(sched) // 4))
     first_round = [order for work, order in starts if work == min(w for w, _ in starts)]
     assert len(first_round) > 1
@@ -261,27 +262,27 @@ def test_the_halving_gives_the_best_start_the_rest_of_its_work(monkeypatch) -> N
     last start left what remains: 2.5 x budget for six (DualPipeV P=4 M=8 at K, six list
     schedules and no seed, as when the input is above the budget)."""
     sched = build_schedule("dualpipev", 4, 8)
-    model = _Model(sched, stage_costs(sched, "b"))
+    model = OrderModel(sched, stage_costs(sched, "b"))
     caps = [-(-3 * deepseek_peak(sched) // 4)] * sched.ranks
     works: list[int] = []
-    search = optimize._local_search
+    search = optimize.local_search
 
     def recorded(model, lists, caps, work):
         works.append(work)
         return search(model, lists, caps, work)
 
-    monkeypatch.setattr(optimize, "_local_search", recorded)
+    monkeypatch.setattr(optimize, "local_search", recorded)
     budget = 8000
     assert optimize._halving_work(6, budget) == 4 * budget
-    optimize._search(model, caps, [], budget, optimize.SerialWorkers(), _RULES + _BUDGET_RULES)
+    optimize._search(model, caps, [], budget, optimize.SerialWorkers(), RULES + BUDGET_RULES)
     assert works == [budget // 8] * 6 + [budget // 4] * 3 + [5 * budget // 2]
 
 
 def test_packed_orders_unpack_to_the_same_ops() -> None:
-    """_Model.pack/unpack, how workers hand each other orders: every kind (F, B, B(w=false), W
+    """OrderModel.pack/unpack, how workers hand each other orders: every kind (F, B, B(w=false), W
     and F&B pairs with either backward) comes back equal, as the shared op objects."""
     sched = build_schedule("dualpipe", 4, 8)
-    model = _Model(sched, stage_costs(sched, "c"))
+    model = OrderModel(sched, stage_costs(sched, "c"))
     kinds = set()
     for ops in (sched.ops, _split_weight_grads(sched.ops)):
         kinds |= {(type(op).__name__, getattr(op, "w", getattr(getattr(op, "b", None), "w", None)))
