@@ -27,6 +27,10 @@ Assumptions, which is what the lower bound covers:
 - ``--window N`` keeps only pairs with ``m_F - m_B <= N``: a smaller model, but then the bound
   is no longer a bound on every order (the script says so).
 
+``--free-last X`` frees only the ops of the optimizer's order that start in its last X time units;
+the rest keep their starts and pairs. CP-SAT's lower bound then holds over the orders that agree
+with the optimizer's before that time: whether a better cool-down alone could reach a target.
+
 CP-SAT starts from the optimizer's order under K (a hint, and its makespan as the horizon, so
 what is found is never worse, and INFEASIBLE means no such order is shorter). A solution is turned into op lists (pairs as
 ``FB(F, B(w=False))``, each rank's ops by start) and checked with the project's ``validate``,
@@ -36,6 +40,7 @@ of ``bench/schedule_budget.py``; with one worker CP-SAT's default search barely 
 start, ``interleave_search`` runs its portfolio, LNS included, in that one thread):
 
     python bench/finite_budget.py -P 4 -M 16 -K 7 --seconds 150 --params interleave_search=True
+    python bench/finite_budget.py -P 16 -M 64 -K 25 --free-last 100 --seconds 120 --params interleave_search=True
 """
 
 from __future__ import annotations
@@ -92,9 +97,16 @@ def hint_from(sched: Schedule, costs: StageCosts) -> dict[tuple[str, int, int], 
 
 
 def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, workers: int,
-          window: int | None, hint: dict | None, horizon: int, log: bool, params: str = ""):
+          window: int | None, hint: dict | None, horizon: int, log: bool, params: str = "",
+          fixed_before: int | None = None):
     """CP-SAT on every order (see the module docstring): (status name, best makespan in tenths
-    or None, lower bound in tenths, wall seconds, per-rank op lists or None)."""
+    or None, lower bound in tenths, wall seconds, per-rank op lists or None). With
+    ``fixed_before`` (tenths; needs ``hint``) the hint's ops that start earlier keep their start
+    and pairing, and only the later ones are free."""
+
+    def free(key: tuple[str, int, int]) -> bool:
+        return fixed_before is None or hint[key][0] >= fixed_before
+
     from ortools.sat.python import cp_model  # optional: only this script needs it
 
     S = 2 * P
@@ -118,7 +130,11 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
             for sb in mine:
                 for mf in range(M):
                     for mb in range(mf):
-                        if window is None or mf - mb <= window:
+                        fixed = not (free(("F", sf, mf)) and free(("B", sb, mb)))
+                        if fixed and hint["F", sf, mf][1] == (sb, mb):  # a pair of the fixed part
+                            x[sf, mf, sb, mb] = model.NewBoolVar(f"x{sf},{mf},{sb},{mb}")
+                            model.Add(x[sf, mf, sb, mb] == 1)
+                        elif not fixed and (window is None or mf - mb <= window):
                             x[sf, mf, sb, mb] = model.NewBoolVar(f"x{sf},{mf},{sb},{mb}")
     by_f: dict = {}
     by_b: dict = {}
@@ -133,6 +149,9 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
             model.Add(en["F", s, m] == st["F", s, m] + dF + (dP - dF) * paired["F", s, m])
             model.Add(en["B", s, m] == st["B", s, m] + dB + (dP - dB) * paired["B", s, m])
             model.Add(en["W", s, m] == st["W", s, m] + dW)
+            for kind in "FBW":
+                if not free((kind, s, m)):
+                    model.Add(st[kind, s, m] == hint[kind, s, m][0])
             # dependencies (events.KINDS), latency c on a hop between ranks
             if s > 0:
                 hop = c if rank_of[s - 1] != rank_of[s] else 0
@@ -193,7 +212,8 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
     for item in filter(None, params.split(",")):  # "name=value,..." (SatParameters fields)
         field, value = item.split("=")
         setattr(solver.parameters, field.strip(), ast.literal_eval(value.strip()))
-    print(f"model: {len(x)} candidate pairs, horizon {horizon / 10}", flush=True)
+    fixed = "" if fixed_before is None else f", ops starting before {fixed_before / 10} fixed"
+    print(f"model: {len(x)} candidate pairs, horizon {horizon / 10}{fixed}", flush=True)
     t0 = time.time()
     status = solver.Solve(model, Progress())
     wall = time.time() - t0
@@ -237,6 +257,10 @@ def main() -> None:
     parser.add_argument("--log", action="store_true", help="CP-SAT's search log")
     parser.add_argument("--params", default="", help="more CP-SAT parameters: 'linearization_level=2,...'")
     parser.add_argument("--save", help="write the order found (schedule JSON) here")
+    parser.add_argument("--free-last", type=float, default=None,
+                        help="free only the optimizer's ops that start in the last this many time units; "
+                             "the rest keep their starts and pairs (then the bound holds over orders "
+                             "that agree with the optimizer's before that time)")
     args = parser.parse_args()
     P, M, K = args.ranks, args.microbatches, args.budget
     tenths = {"F": args.F, "B": args.B, "W": args.W, "fb": args.fb, "c": args.c}
@@ -263,10 +287,15 @@ def main() -> None:
         if not in_order:
             print("  (its micro-batches are not in order per stage: no hint)")
             hint = None
+    fixed_before = None
+    if args.free_last is not None:
+        if hint is None:
+            parser.error("--free-last needs the optimizer's order as a hint, in micro-batch order per stage")
+        fixed_before = horizon - int(args.free_last * 10)
     window = "" if args.window is None else f", pairs within {args.window} micro-batches (NOT a bound on all orders)"
     print(f"CP-SAT: {args.seconds:g}s, {args.workers} worker(s){window}", flush=True)
     status, best, bound, wall, lists = solve(P, M, K, tenths, args.seconds, args.workers, args.window,
-                                             hint, horizon, args.log, args.params)
+                                             hint, horizon, args.log, args.params, fixed_before)
     found = "none" if best is None else f"{best / 10:.1f}"
     print(f"CP-SAT: status {status}, best makespan {found}, lower bound {bound / 10:.1f} "
           f"({bound / float(base.makespan) / 10 - 1:+.1%} over DeepSeek), {wall:.1f}s")
