@@ -29,6 +29,7 @@ class Rule:
     split: bool = False  # each direction gets its own share of a rank's cap (no cross-direction stall)
     windows: bool = False  # each stage gets a share of its rank's cap by how long its activations live
     inflight: int = 0  # n > 0: at most n/8 of the entry rank's cap micro-batches of a direction in flight
+    leaf_last: bool = False  # a stage 0 B (only its W waits for it) runs only when nothing else is ready
 
 
 RULES = (
@@ -44,7 +45,8 @@ BUDGET_RULES = (
     + (Rule(fill=1.0, reserve=True, split=True),)
     + tuple(Rule(**{**vars(r), "spare": True}) for r in _DEFERRING_RULES)
     + (Rule(pair=False, by_level=True, b_first=False, spare=True, windows=True),)
-    + tuple(Rule(pair=pair, spare=True, inflight=n) for pair in (False, True) for n in (5, 6, 7, 8)))
+    + tuple(Rule(pair=pair, spare=True, inflight=n) for pair in (False, True) for n in (5, 6, 7, 8))
+    + (Rule(pair=False, spare=True, inflight=7, leaf_last=True),))
 
 
 def _shares(model: OrderModel, caps: list[int], depth: Counter) -> Optional[dict[tuple[int, int], int]]:
@@ -196,6 +198,10 @@ def list_schedule(model: OrderModel, caps: list[int], rule: Rule, follow: Option
     def by_rule(fs: list, bs: list, pending: deque, must: bool, idle: float) -> tuple[Optional[Op], float]:
         """The rule's pick among the ready ops; with none, a deferred W if the rank ``must`` run one
         (blocked for memory, or done with F and B) or is ``idle`` long enough before its next input."""
+        if rule.leaf_last and bs and (fs or len(bs) > 1):
+            inner = [x for x in bs if x[1][1] > 0]
+            if inner or fs:
+                bs = inner
         f = (fs[0] if len(fs) == 1 else min(fs, key=f_key)) if fs else None
         b = (bs[0] if len(bs) == 1 else min(bs, key=b_key)) if bs else None
         if f and b and rule.pair:
