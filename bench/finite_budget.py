@@ -31,6 +31,13 @@ Assumptions, which is what the lower bound covers:
 the rest keep their starts and pairs. CP-SAT's lower bound then holds over the orders that agree
 with the optimizer's before that time: whether a better cool-down alone could reach a target.
 
+``--sweep X`` is a large-neighbourhood search instead of one solve: CP-SAT reorders the ops that
+start in a window of X time units, the earlier ones fixed and the later ones kept in their order
+and pairs on each rank but free to move in time, with the makespan first and then the free ops'
+starts as the objective; windows half a width apart, ``--rounds`` passes, each order that checks
+out no longer (``validate``, ``simulate``, peaks <= K) the next start. It finds orders and
+proves nothing. ``--start FILE`` starts from a saved order (``--save``) instead.
+
 CP-SAT starts from the optimizer's order under K (a hint, and its makespan as the horizon, so
 what is found is never worse, and INFEASIBLE means no such order is shorter). A solution is turned into op lists (pairs as
 ``FB(F, B(w=False))``, each rank's ops by start) and checked with the project's ``validate``,
@@ -41,12 +48,14 @@ start, ``interleave_search`` runs its portfolio, LNS included, in that one threa
 
     python bench/finite_budget.py -P 4 -M 16 -K 7 --seconds 150 --params interleave_search=True
     python bench/finite_budget.py -P 16 -M 64 -K 25 --free-last 100 --seconds 120 --params interleave_search=True
+    python bench/finite_budget.py -P 8 -M 32 -K 13 --sweep 40 --seconds 40 --rounds 4 --params interleave_search=True --save a.json
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import sys
 import time
@@ -98,14 +107,16 @@ def hint_from(sched: Schedule, costs: StageCosts) -> dict[tuple[str, int, int], 
 
 def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, workers: int,
           window: int | None, hint: dict | None, horizon: int, log: bool, params: str = "",
-          fixed_before: int | None = None):
+          fixed_before: int | None = None, kept_after: int | None = None):
     """CP-SAT on every order (see the module docstring): (status name, best makespan in tenths
     or None, lower bound in tenths, wall seconds, per-rank op lists or None). With
     ``fixed_before`` (tenths; needs ``hint``) the hint's ops that start earlier keep their start
-    and pairing, and only the later ones are free."""
+    and pairing; with ``kept_after`` the ones that start at or after it keep their pairing and
+    their order on each rank but may move in time. Only the ops between are free."""
 
     def free(key: tuple[str, int, int]) -> bool:
-        return fixed_before is None or hint[key][0] >= fixed_before
+        at = hint[key][0] if hint else 0
+        return (fixed_before is None or at >= fixed_before) and (kept_after is None or at < kept_after)
 
     from ortools.sat.python import cp_model  # optional: only this script needs it
 
@@ -150,7 +161,7 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
             model.Add(en["B", s, m] == st["B", s, m] + dB + (dP - dB) * paired["B", s, m])
             model.Add(en["W", s, m] == st["W", s, m] + dW)
             for kind in "FBW":
-                if not free((kind, s, m)):
+                if fixed_before is not None and hint[kind, s, m][0] < fixed_before:
                     model.Add(st[kind, s, m] == hint[kind, s, m][0])
             # dependencies (events.KINDS), latency c on a hop between ranks
             if s > 0:
@@ -164,6 +175,13 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
             if m > 0:  # micro-batches in order per stage
                 for kind in "FBW":
                     model.Add(st[kind, s, m] >= en[kind, s, m - 1])
+    if kept_after is not None:  # the kept ops run in the hint's order on each rank
+        for r in range(P):
+            # one entry per slot: a paired F runs in its B's slot
+            tail = sorted((t, key) for key, (t, partner) in hint.items()
+                          if t >= kept_after and rank_of[key[1]] == r and not (key[0] == "F" and partner))
+            for (_, a), (_, b) in zip(tail, tail[1:]):
+                model.Add(st[b] >= en[a])
     makespan = model.NewIntVar(0, horizon, "makespan")
     for r in range(P):
         slots, live = [], []
@@ -184,7 +202,14 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
                 model.Add(makespan >= en["B", s, m])
         model.AddNoOverlap(slots)
         model.AddCumulative(live, [1] * len(live), K)
-    model.Minimize(makespan)
+    weight = 1  # with kept_after: the makespan first, then the unpinned ops' starts (so a window
+    # that cannot shorten the step still moves work earlier for the next window to use)
+    if kept_after is None:
+        model.Minimize(makespan)
+    else:
+        movable = [v for key, v in st.items() if fixed_before is None or hint[key][0] >= fixed_before]
+        weight = len(movable) * horizon + 1
+        model.Minimize(weight * makespan + sum(movable))
     if hint:
         for key, (t, _) in hint.items():
             model.AddHint(st[key], t)
@@ -202,8 +227,8 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
             self.t0 = time.time()
 
         def on_solution_callback(self) -> None:
-            print(f"  {time.time() - self.t0:7.1f}s: makespan {self.ObjectiveValue() / 10:.1f}, "
-                  f"bound {self.BestObjectiveBound() / 10:.1f}", flush=True)
+            print(f"  {time.time() - self.t0:7.1f}s: makespan {self.Value(makespan) / 10:.1f}, "
+                  f"bound {self.BestObjectiveBound() // weight / 10:.1f}", flush=True)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = seconds
@@ -219,7 +244,7 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
     wall = time.time() - t0
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return name, None, solver.BestObjectiveBound(), wall, None
+        return name, None, solver.BestObjectiveBound() // weight, wall, None
     ops: list[list[tuple[int, object]]] = [[] for _ in range(P)]
     partner = {(sf, mf): (sb, mb) for (sf, mf, sb, mb), v in x.items() if solver.Value(v)}
     taken = set(partner.values())
@@ -236,7 +261,7 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
                 ops[r].append((solver.Value(st["B", s, m]), B(k, False)))
             ops[r].append((solver.Value(st["W", s, m]), W(k)))
     lists = [[op for _, op in sorted(row, key=lambda p: p[0])] for row in ops]
-    return name, solver.ObjectiveValue(), solver.BestObjectiveBound(), wall, lists
+    return name, solver.Value(makespan), solver.BestObjectiveBound() // weight, wall, lists
 
 
 def main() -> None:
@@ -261,6 +286,10 @@ def main() -> None:
                         help="free only the optimizer's ops that start in the last this many time units; "
                              "the rest keep their starts and pairs (then the bound holds over orders "
                              "that agree with the optimizer's before that time)")
+    parser.add_argument("--start", help="start from this order (schedule JSON) instead of the optimizer's")
+    parser.add_argument("--sweep", type=float, default=None,
+                        help="large-neighbourhood search: free windows of this many time units in turn")
+    parser.add_argument("--rounds", type=int, default=1, help="passes of --sweep over the order")
     args = parser.parse_args()
     P, M, K = args.ranks, args.microbatches, args.budget
     tenths = {"F": args.F, "B": args.B, "W": args.W, "fb": args.fb, "c": args.c}
@@ -272,7 +301,7 @@ def main() -> None:
     print(f"DeepSeek's order: makespan {float(base.makespan)}, peak "
           f"{max(peak_live_activations(o) for o in deepseek.ops)}", flush=True)
     hint, horizon = None, 4 * M * (tenths["F"] + tenths["B"] + tenths["c"]) * 2
-    if not args.no_hint:
+    if not args.no_hint and not args.start:
         from dualpipe_megatron.schedules.optimize import optimize_order
 
         t0 = time.time()
@@ -287,6 +316,16 @@ def main() -> None:
         if not in_order:
             print("  (its micro-batches are not in order per stage: no hint)")
             hint = None
+    if args.start:
+        with open(args.start) as f:
+            ours = Schedule.from_json_obj(json.load(f))
+        hint, horizon = hint_from(ours, costs), int(simulate(ours, costs).makespan * 10)
+        print(f"start: {args.start}, makespan {horizon / 10}")
+    if args.sweep is not None:
+        if hint is None:
+            parser.error("--sweep needs a start in micro-batch order per stage")
+        sweep(args, deepseek, costs, float(base.makespan), ours, tenths)
+        return
     fixed_before = None
     if args.free_last is not None:
         if hint is None:
@@ -301,23 +340,62 @@ def main() -> None:
           f"({bound / float(base.makespan) / 10 - 1:+.1%} over DeepSeek), {wall:.1f}s")
     if lists is None:
         return
-    sched = Schedule(f"{deepseek.name}-cpsat", P, deepseek.stages, deepseek.microbatches,
-                     deepseek.directions, lists, dict(deepseek.placement))
-    try:
-        validate(sched)
-        valid = "ok"
-    except Exception as exc:  # report, do not hide: the check is the point
-        valid = f"FAILED: {exc}"
+    sched = as_schedule(deepseek, lists)
+    valid, span, peaks = check(sched, costs)
     print(f"check: validate {valid}")
     if args.save:
         with open(args.save, "w") as f:
             f.write(sched.to_json())
     if valid == "ok":
-        span = simulate(sched, costs).makespan
-        peaks = [peak_live_activations(o) for o in sched.ops]
         print(f"check: simulate makespan {float(span)} ({'ok' if span * 10 <= best else 'LONGER than CP-SAT'}; "
               f"{float(span / base.makespan) - 1:+.1%} over DeepSeek), peaks {peaks} "
               f"({'ok' if max(peaks) <= K else 'OVER K'})")
+
+
+def as_schedule(like: Schedule, lists: list) -> Schedule:
+    """CP-SAT's op lists as a schedule of ``like``'s shape."""
+    return Schedule(f"{like.name}-cpsat", like.ranks, like.stages, like.microbatches,
+                    like.directions, lists, dict(like.placement))
+
+
+def check(sched: Schedule, costs: StageCosts) -> tuple[str, Fraction | None, list[int]]:
+    """The project's own verdict on an order CP-SAT found: (validate's, makespan, per-rank peaks)."""
+    try:
+        validate(sched)
+    except Exception as exc:  # report, do not hide: the check is the point
+        return f"FAILED: {exc}", None, []
+    return "ok", simulate(sched, costs).makespan, [peak_live_activations(o) for o in sched.ops]
+
+
+def sweep(args: argparse.Namespace, like: Schedule, costs: StageCosts, deepseek: float,
+          current: Schedule, tenths: dict[str, int]) -> None:
+    """Large-neighbourhood search: CP-SAT reorders the ops that start in one window of time, the
+    earlier ones fixed and the later ones kept in order on each rank (free to move in time),
+    window after window (half a width apart) for ``--rounds`` passes; an order that checks out
+    shorter becomes the next start. Finds orders, proves nothing (each bound is the window's)."""
+    width = int(args.sweep * 10)
+    span = simulate(current, costs).makespan
+    for rnd in range(args.rounds):
+        at = 0
+        while at < span * 10:
+            hint, horizon = hint_from(current, costs), int(span * 10)
+            status, best, _, wall, lists = solve(args.ranks, args.microbatches, args.budget, tenths,
+                                                 args.seconds, args.workers, args.window, hint, horizon,
+                                                 False, args.params, at, at + width)
+            got = "none" if best is None else f"{best / 10:.1f}"
+            if lists is not None:
+                sched = as_schedule(like, lists)
+                valid, new, peaks = check(sched, costs)
+                if valid != "ok" or max(peaks) > args.budget:
+                    raise SystemExit(f"window {at / 10}: CP-SAT's order fails the project's checks: {valid} {peaks}")
+                if new <= span:  # the same step with work moved earlier is kept too
+                    current, span = sched, new
+                    if args.save:
+                        with open(args.save, "w") as f:
+                            f.write(current.to_json())
+            print(f"round {rnd} window [{at / 10:g}, {(at + width) / 10:g}): {status} {got} in {wall:.0f}s; "
+                  f"now {float(span)} ({float(span) / deepseek - 1:+.1%} over DeepSeek)", flush=True)
+            at += width // 2
 
 
 if __name__ == "__main__":

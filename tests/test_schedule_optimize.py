@@ -229,6 +229,27 @@ def test_leaf_last_leaves_stage_0_backwards_to_the_gaps() -> None:
         assert max(peak_live_activations(ops) for ops in order) <= 25
 
 
+def test_leaf_pair_pairs_forwards_only_with_stage_0_backwards() -> None:
+    """A stage-0 backward's output is waited for by nothing but its own weight grad, so pairing it
+    with a ready F delays no other rank's input but the F's. With ``leaf_pair`` the list scheduler
+    does just that (and pairs nothing else). In DualPipe P=16, M=64, F&B 0.8 of F+B, K = 13 the
+    windowed unpaired rule builds 218.5 with it against 220.0 without, both within K, with four
+    pairs, all of a stage-0 backward on the two ranks that hold a stage 0."""
+    sched = build_schedule("dualpipe", 16, 64)
+    model = OrderModel(sched, stage_costs(sched, "b"))
+    caps = [13] * sched.ranks
+    plain = list_schedule(model, caps, Rule(pair=False, spare=True, inflight=7))
+    leaf = list_schedule(model, caps, Rule(pair=False, spare=True, inflight=7, leaf_pair=True))
+    assert plain is not None and leaf is not None
+    assert (plain[0][0], leaf[0][0]) == (220.0, 218.5)
+    pairs = [(rank, op.b.key.s) for rank, ops in enumerate(leaf[1]) for op in ops if isinstance(op, FB)]
+    assert not any(isinstance(op, FB) for ops in plain[1] for op in ops)
+    assert len(pairs) == 4 and {s for _, s in pairs} == {0} and {r for r, _ in pairs} == {0, 15}
+    assert Rule(pair=False, spare=True, inflight=7, leaf_pair=True) in BUDGET_RULES
+    for order in (plain[1], leaf[1]):
+        assert max(peak_live_activations(ops) for ops in order) <= 13
+
+
 def test_the_list_schedulers_bound_drops_only_longer_orders(monkeypatch) -> None:
     """A list schedule stopped at a bound below its makespan is dropped, one within it is kept as
     it is (every rule, alone and following DeepSeek's order, at K and at DeepSeek's peak,

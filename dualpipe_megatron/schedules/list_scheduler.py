@@ -30,6 +30,7 @@ class Rule:
     windows: bool = False  # each stage gets a share of its rank's cap by how long its activations live
     inflight: int = 0  # n > 0: at most n/8 of the entry rank's cap micro-batches of a direction in flight
     leaf_last: bool = False  # a stage 0 B (only its W waits for it) runs only when nothing else is ready
+    leaf_pair: bool = False  # a ready F runs paired with a ready stage 0 B (whose output nobody waits for)
 
 
 RULES = (
@@ -46,7 +47,8 @@ BUDGET_RULES = (
     + tuple(Rule(**{**vars(r), "spare": True}) for r in _DEFERRING_RULES)
     + (Rule(pair=False, by_level=True, b_first=False, spare=True, windows=True),)
     + tuple(Rule(pair=pair, spare=True, inflight=n) for pair in (False, True) for n in (5, 6, 7, 8))
-    + (Rule(pair=False, spare=True, inflight=7, leaf_last=True),))
+    + (Rule(pair=False, spare=True, inflight=7, leaf_last=True),
+       Rule(pair=False, spare=True, inflight=7, leaf_pair=True)))
 
 
 def _shares(model: OrderModel, caps: list[int], depth: Counter) -> Optional[dict[tuple[int, int], int]]:
@@ -203,6 +205,11 @@ def list_schedule(model: OrderModel, caps: list[int], rule: Rule, follow: Option
             if inner or fs:
                 bs = inner
         f = (fs[0] if len(fs) == 1 else min(fs, key=f_key)) if fs else None
+        if rule.leaf_pair and f:
+            leaves = [x for x in bs if x[1][1] == 0]
+            if leaves:
+                b = min(leaves, key=b_key)
+                return model.pair(f[1], f[2], b[1], b[2], not rule.defer), max(f[0], b[0])
         b = (bs[0] if len(bs) == 1 else min(bs, key=b_key)) if bs else None
         if f and b and rule.pair:
             return model.pair(f[1], f[2], b[1], b[2], not rule.defer), max(f[0], b[0])
