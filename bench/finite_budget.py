@@ -322,6 +322,8 @@ def main() -> None:
         hint, horizon = hint_from(ours, costs), int(simulate(ours, costs).makespan * 10)
         print(f"start: {args.start}, makespan {horizon / 10}")
     if args.sweep is not None:
+        if args.free_last is not None:
+            parser.error("--sweep and --free-last are two different searches: give one")
         if hint is None:
             parser.error("--sweep needs a start in micro-batch order per stage")
         sweep(args, deepseek, costs, float(base.makespan), ours, tenths)
