@@ -114,9 +114,14 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
     and pairing; with ``kept_after`` the ones that start at or after it keep their pairing and
     their order on each rank but may move in time. Only the ops between are free."""
 
+    def pinned(key: tuple[str, int, int]) -> bool:  # keeps its start and pairing
+        return fixed_before is not None and hint[key][0] < fixed_before
+
+    def kept(key: tuple[str, int, int]) -> bool:  # keeps its pairing and place on its rank
+        return kept_after is not None and hint[key][0] >= kept_after
+
     def free(key: tuple[str, int, int]) -> bool:
-        at = hint[key][0] if hint else 0
-        return (fixed_before is None or at >= fixed_before) and (kept_after is None or at < kept_after)
+        return not (pinned(key) or kept(key))
 
     from ortools.sat.python import cp_model  # optional: only this script needs it
 
@@ -161,7 +166,7 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
             model.Add(en["B", s, m] == st["B", s, m] + dB + (dP - dB) * paired["B", s, m])
             model.Add(en["W", s, m] == st["W", s, m] + dW)
             for kind in "FBW":
-                if fixed_before is not None and hint[kind, s, m][0] < fixed_before:
+                if pinned((kind, s, m)):
                     model.Add(st[kind, s, m] == hint[kind, s, m][0])
             # dependencies (events.KINDS), latency c on a hop between ranks
             if s > 0:
@@ -179,7 +184,7 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
         for r in range(P):
             # one entry per slot: a paired F runs in its B's slot
             tail = sorted((t, key) for key, (t, partner) in hint.items()
-                          if t >= kept_after and rank_of[key[1]] == r and not (key[0] == "F" and partner))
+                          if kept(key) and rank_of[key[1]] == r and not (key[0] == "F" and partner))
             for (_, a), (_, b) in zip(tail, tail[1:]):
                 model.Add(st[b] >= en[a])
     makespan = model.NewIntVar(0, horizon, "makespan")
@@ -207,7 +212,7 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
     if kept_after is None:
         model.Minimize(makespan)
     else:
-        movable = [v for key, v in st.items() if fixed_before is None or hint[key][0] >= fixed_before]
+        movable = [v for key, v in st.items() if not pinned(key)]
         weight = len(movable) * horizon + 1
         model.Minimize(weight * makespan + sum(movable))
     if hint:
@@ -373,8 +378,8 @@ def sweep(args: argparse.Namespace, like: Schedule, costs: StageCosts, deepseek:
           current: Schedule, tenths: dict[str, int]) -> None:
     """Large-neighbourhood search: CP-SAT reorders the ops that start in one window of time, the
     earlier ones fixed and the later ones kept in order on each rank (free to move in time),
-    window after window (half a width apart) for ``--rounds`` passes; an order that checks out
-    shorter becomes the next start. Finds orders, proves nothing (each bound is the window's)."""
+    window after window (half a width apart) for ``--rounds`` passes; an order that checks out no
+    longer becomes the next start. Finds orders, proves nothing (each bound is the window's)."""
     width = int(args.sweep * 10)
     span = simulate(current, costs).makespan
     for rnd in range(args.rounds):

@@ -210,23 +210,32 @@ def test_an_in_flight_window_ends_the_warm_up_flood() -> None:
     assert best[True] <= 0.95 * best[False]
 
 
+def _windowed_unpaired_with(name: str, ranks: int, microbatches: int, cap: int, **flag: bool) -> tuple:
+    """The list schedules of the windowed unpaired rule (banker's margin, 7/8 window) at ``cap``,
+    with F&B 0.8 of F+B, without and with ``flag``: that rule is one of BUDGET_RULES, both
+    are built, and every rank of each stays within the cap."""
+    sched = build_schedule(name, ranks, microbatches)
+    model = OrderModel(sched, stage_costs(sched, "b"))
+    caps = [cap] * sched.ranks
+    rule = Rule(pair=False, spare=True, inflight=7, **flag)
+    assert rule in BUDGET_RULES
+    plain = list_schedule(model, caps, Rule(pair=False, spare=True, inflight=7))
+    other = list_schedule(model, caps, rule)
+    assert plain is not None and other is not None
+    for order in (plain[1], other[1]):
+        assert max(peak_live_activations(ops) for ops in order) <= cap
+    return plain, other
+
+
 def test_leaf_last_leaves_stage_0_backwards_to_the_gaps() -> None:
     """A stage-0 backward is a leaf: only its own weight grad waits for it. With ``leaf_last``
     the list scheduler runs one only when nothing else is ready on its rank, so the forwards and
     backwards that other ranks wait for go first. In the grid's worst case (DualPipeV P=16,
     M=64, F&B 0.8 of F+B, K = 25) the windowed unpaired rule builds 447.5 with it against 449.0
     without, both within K; rank 0 runs the same ops in another order."""
-    sched = build_schedule("dualpipev", 16, 64)
-    model = OrderModel(sched, stage_costs(sched, "b"))
-    caps = [25] * sched.ranks
-    plain = list_schedule(model, caps, Rule(pair=False, spare=True, inflight=7))
-    leaf = list_schedule(model, caps, Rule(pair=False, spare=True, inflight=7, leaf_last=True))
-    assert plain is not None and leaf is not None
+    plain, leaf = _windowed_unpaired_with("dualpipev", 16, 64, 25, leaf_last=True)
     assert (plain[0][0], leaf[0][0]) == (449.0, 447.5)
     assert sorted(map(str, leaf[1][0])) == sorted(map(str, plain[1][0])) and leaf[1][0] != plain[1][0]
-    assert Rule(pair=False, spare=True, inflight=7, leaf_last=True) in BUDGET_RULES
-    for order in (plain[1], leaf[1]):
-        assert max(peak_live_activations(ops) for ops in order) <= 25
 
 
 def test_leaf_pair_pairs_forwards_only_with_stage_0_backwards() -> None:
@@ -235,19 +244,11 @@ def test_leaf_pair_pairs_forwards_only_with_stage_0_backwards() -> None:
     does just that (and pairs nothing else). In DualPipe P=16, M=64, F&B 0.8 of F+B, K = 13 the
     windowed unpaired rule builds 218.5 with it against 220.0 without, both within K, with four
     pairs, all of a stage-0 backward on the two ranks that hold a stage 0."""
-    sched = build_schedule("dualpipe", 16, 64)
-    model = OrderModel(sched, stage_costs(sched, "b"))
-    caps = [13] * sched.ranks
-    plain = list_schedule(model, caps, Rule(pair=False, spare=True, inflight=7))
-    leaf = list_schedule(model, caps, Rule(pair=False, spare=True, inflight=7, leaf_pair=True))
-    assert plain is not None and leaf is not None
+    plain, leaf = _windowed_unpaired_with("dualpipe", 16, 64, 13, leaf_pair=True)
     assert (plain[0][0], leaf[0][0]) == (220.0, 218.5)
     pairs = [(rank, op.b.key.s) for rank, ops in enumerate(leaf[1]) for op in ops if isinstance(op, FB)]
     assert not any(isinstance(op, FB) for ops in plain[1] for op in ops)
     assert len(pairs) == 4 and {s for _, s in pairs} == {0} and {r for r, _ in pairs} == {0, 15}
-    assert Rule(pair=False, spare=True, inflight=7, leaf_pair=True) in BUDGET_RULES
-    for order in (plain[1], leaf[1]):
-        assert max(peak_live_activations(ops) for ops in order) <= 13
 
 
 def test_the_list_schedulers_bound_drops_only_longer_orders(monkeypatch) -> None:
