@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from .events import KINDS, kind
 from .ir import B, F, FB, Op, W, halves
@@ -101,10 +101,17 @@ def _levels(model: OrderModel) -> dict[tuple[str, int, int], float]:
     return out
 
 
+Stage = tuple[int, int]
+PairPolicy = Sequence[frozenset[tuple[Stage, Stage]]]  # per rank, the (F stage, B stage) it may pair
+
+
 def list_schedule(model: OrderModel, caps: list[int], rule: Rule, follow: Optional["Reference"] = None,
-                   bound: float = INF) -> Optional[tuple[tuple[float, float], list[list[Op]]]]:
+                   bound: float = INF, policy: Optional[PairPolicy] = None
+                   ) -> Optional[tuple[tuple[float, float], list[list[Op]]]]:
     """Event-driven list scheduling: micro-batches in order per stage, each rank under its cap;
-    with ``follow``, ready ops are ranked by their place in that order (and paired as there).
+    with ``follow``, ready ops are ranked by their place in that order (and paired as there);
+    with ``policy``, a rank pairs a ready F and a ready B (the first such by the rule's ranks)
+    where its policy lists their stages, besides what the rule pairs.
     Returns the order and its :func:`order_score`: each op starts when its rank is free and its
     inputs are in, which are :func:`~.events.timing`'s rules, so the score is the timing's.
     Every rank's peak of live activations stays within its cap, with no check afterwards: an F
@@ -148,8 +155,8 @@ def list_schedule(model: OrderModel, caps: list[int], rule: Rule, follow: Option
     for ds in rank:
         work[rank[ds]] += per * (model.F[ds] + model.B[ds])
     pairs = rule.pair or follow is not None
-    saves = [max([0.0] + [model.pair_saves(f, b) for f in model.stages_on[r]
-                          for b in model.stages_on[r]]) if pairs else 0.0 for r in range(P)]
+    saves = [max([0.0] + [model.pair_saves(f, b) for f in model.stages_on[r] for b in model.stages_on[r]
+                          if pairs or (f, b) in policy[r]]) if pairs or policy else 0.0 for r in range(P)]
     slack = bound + 1e-9 * max(1.0, bound)  # float sums of the work are not exact
     # congestion control: a micro-batch enters only while few enough of its direction are in
     # flight (entered, stage 0's weight grad not done), so that ranks downstream never fill up
@@ -197,9 +204,9 @@ def list_schedule(model: OrderModel, caps: list[int], rule: Rule, follow: Option
             wake[r] = max(at, clock[r])
             heapq.heappush(heap, (wake[r], r))
 
-    def by_rule(fs: list, bs: list, pending: deque, must: bool, idle: float) -> tuple[Optional[Op], float]:
-        """The rule's pick among the ready ops; with none, a deferred W if the rank ``must`` run one
-        (blocked for memory, or done with F and B) or is ``idle`` long enough before its next input."""
+    def by_rule(r: int, fs: list, bs: list, pending: deque, must: bool, idle: float) -> tuple[Optional[Op], float]:
+        """The rule's pick among rank r's ready ops; with none, a deferred W if the rank ``must`` run
+        one (blocked for memory, or done with F and B) or is ``idle`` long enough before its next input."""
         if rule.leaf_last and bs and (fs or len(bs) > 1):
             inner = [x for x in bs if x[1][1] > 0]
             if inner or fs:
@@ -210,6 +217,11 @@ def list_schedule(model: OrderModel, caps: list[int], rule: Rule, follow: Option
             if leaves:
                 b = min(leaves, key=b_key)
                 return model.pair(f[1], f[2], b[1], b[2], not rule.defer), max(f[0], b[0])
+        if policy and policy[r] and fs and bs:
+            for x in sorted(fs, key=f_key):
+                for y in sorted(bs, key=b_key):
+                    if (x[1], y[1]) in policy[r]:
+                        return model.pair(x[1], x[2], y[1], y[2], not rule.defer), max(x[0], y[0])
         b = (bs[0] if len(bs) == 1 else min(bs, key=b_key)) if bs else None
         if f and b and rule.pair:
             return model.pair(f[1], f[2], b[1], b[2], not rule.defer), max(f[0], b[0])
@@ -261,7 +273,7 @@ def list_schedule(model: OrderModel, caps: list[int], rule: Rule, follow: Option
         if follow is not None:
             op, at = follow.pick(model, fs, bs, pending[r], blocked or left[r] == 0)
         else:
-            op, at = by_rule(fs, bs, pending[r], blocked or left[r] == 0, soonest - now)
+            op, at = by_rule(r, fs, bs, pending[r], blocked or left[r] == 0, soonest - now)
         if op is None:
             wake[r] = soonest
             if soonest < INF:

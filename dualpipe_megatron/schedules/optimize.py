@@ -15,8 +15,9 @@ not fit; the list scheduler then also tries admission rules that cannot stall fo
 micro-batch enters a rank only with room for all its stages there, or with a banker's margin
 for the oldest micro-batch; DualPipe's directions each get a share of the cap; each stage a
 window by how long its activations live; a micro-batch enters only while few enough of its
-direction are in flight), and orders that follow the input's op ranks and pairs under the
-cap. The one-micro-batch-at-a-time order, which meets the minimum (:func:`min_activations`), is
+direction are in flight), orders that follow the input's op ranks and pairs under the cap,
+and, where F&B pairs save time, the best unpaired rule's list schedule with per-rank pairing
+policies (:mod:`.pair_policy`). The one-micro-batch-at-a-time order, which meets the minimum (:func:`min_activations`), is
 the fallback start. The search is bounded by work, not time, and deterministic; it times
 schedules with floats, re-timing only what follows a move (:func:`~.events.timing`'s
 ``since``), and only the final check is exact. Its pieces (each list schedule, each search,
@@ -24,8 +25,8 @@ each exact check) are independent, so :class:`Workers` may run them apart (the p
 of a training job do) and the order is the same.
 
 The pieces live beside it: the model of one schedule the search works on
-(:mod:`.order_model`), the list scheduler (:mod:`.list_scheduler`) and the local search
-(:mod:`.local_search`); this module composes them.
+(:mod:`.order_model`), the list scheduler (:mod:`.list_scheduler`), its pairing policies
+(:mod:`.pair_policy`) and the local search (:mod:`.local_search`); this module composes them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .ir import B, F, FB, Key, Op, Schedule, ScheduleError, W
 from .list_scheduler import BUDGET_RULES, RULES, Reference, Rule, list_schedule
 from .local_search import local_search
 from .order_model import INF, OrderModel, Packed, order_score
+from .pair_policy import search_policy
 from .simulate import AnyCosts, simulate
 
 # The default work bound: local-search evaluations per start scale as this many op-simulations
@@ -167,7 +169,8 @@ def _best_built(built: list[_Built]) -> list[_Built]:
 
 
 def _search(model: OrderModel, caps: list[int], seeds: list[list[list[Op]]], budget: int, workers: Workers,
-            rules: tuple[Rule, ...] = RULES, follow: tuple[list[list[Op]], ...] = ()) -> list[tuple[tuple[float, float], Packed]]:
+            rules: tuple[Rule, ...] = RULES, follow: tuple[list[list[Op]], ...] = (),
+            policy: bool = False) -> list[tuple[tuple[float, float], Packed]]:
     """Local search from each seed and from the best distinct orders (none equal to a seed) the
     list scheduler builds under ``caps`` by any of ``rules`` (and following each order in
     ``follow``), by successive halving within :func:`_halving_work`: every start gets a short
@@ -175,7 +178,9 @@ def _search(model: OrderModel, caps: list[int], seeds: list[list[list[Op]]], bud
     until one is left, which gets the rest: no start is judged by its list-scheduled length
     alone, and the best goes deepest (a descent there is what the work cuts short). Every list
     schedule and every search is one piece for ``workers``; with more than one worker, each
-    first builds one list schedule unbounded, and the sixth best of those bounds the rest."""
+    first builds one list schedule unbounded, and the sixth best of those bounds the rest. With
+    ``policy``, the best list schedule of an unpaired rule also gets per-rank pairing policies
+    (:func:`~.pair_policy.search_policy`), and what that finds is one more list schedule."""
     admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
     for rule in rules:
         admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
@@ -195,6 +200,11 @@ def _search(model: OrderModel, caps: list[int], seeds: list[list[list[Op]]], bud
     bound = best[-1][0][0] if len(best) == _BUILT_SEEDS else INF
     if rest:
         built += build([rest[w::workers.count] for w in range(workers.count)], bound)
+    unpaired = [entry for entry in built if entry[1] < len(rules) and not rules[entry[1]].pair]
+    if policy and unpaired:
+        got = search_policy(model, caps, rules[min(unpaired, key=lambda x: x[:2])[1]], workers.map)
+        if got is not None and not any(got[1] == order for order in seeds):
+            built.append((got[0], len(candidates), model.pack(got[1])))
     starts = [model.pack(ops) for ops in seeds] + [kept[2] for kept in _best_built(built)]
     found: list[tuple[tuple[float, float], Packed]] = []
     left, share = _halving_work(len(starts), budget), max(1, budget // 8)
@@ -263,8 +273,9 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
         rules = RULES + tuple(r for r in BUDGET_RULES if not r.split or sched.directions > 1)
         follow = (sched.ops, split_ops)
         # an input above the budget skips the search under its own peaks: this one gets its work too
+        pays = any(model.pair_saves(f, b) > 0 for on in model.stages_on for f in on for b in on)
         found += _search(model, caps, [sched.ops, split_ops] if fits else [], budget if fits else 2 * budget,
-                         workers, rules, follow)
+                         workers, rules, follow, policy=pays)
         if not found:
             found = _search(model, caps, [_sequential(model)], budget, workers)
     # the exact check, shortest first, of those shorter than the input when it fits (the first
