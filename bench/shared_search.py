@@ -1,8 +1,10 @@
 """The op-order search on the training path: every pipeline rank running all of it, against the
 ranks sharing it (runtime/shared_search.py), in real processes on this machine.
 
-Run ``.venv/bin/python bench/shared_search.py [-P 16] [-M 128] [--budgets 25,none]``; not part of
-``make test``. It starts P gloo processes; for each budget each rank times, from a common
+Run ``.venv/bin/python bench/shared_search.py [-P 16] [-M 128] [--budgets 25,none] [--costs paired]``;
+not part of ``make test``. ``--costs``: ``uniform`` (F 1, B 2, W 1, F&B 3: no pair saves time,
+the training path's default) or ``paired`` (W 0.5, F&B 2.4 = 0.8 (F+B), where the budgeted
+search also tries per-rank pairing policies). It starts P gloo processes; for each budget each rank times, from a common
 barrier, the search alone (what every rank did before: all ranks at once, each running the
 whole search) and shared (rank r runs pieces r, r + P, ...; an all-gather gives every rank every
 result), and checks both give the same order. It prints the slowest rank's seconds per mode, the
@@ -54,22 +56,25 @@ class _RoundTimedWorkers(RankWorkers):
         return out
 
 
-def _timed(sched, budget: Optional[int], workers: Optional[RankWorkers]) -> tuple[float, float, list]:
+COSTS = {"uniform": Costs.of(), "paired": Costs.of(1, 2, "0.5", "2.4")}
+
+
+def _timed(sched, costs: Costs, budget: Optional[int], workers: Optional[RankWorkers]) -> tuple[float, float, list]:
     """Wall and CPU seconds of this rank's search, from a barrier."""
     dist.barrier()
     start, cpu = time.perf_counter(), time.process_time()
-    out = optimize_order(sched, Costs.of(), max_activations=budget, workers=workers)
+    out = optimize_order(sched, costs, max_activations=budget, workers=workers)
     return time.perf_counter() - start, time.process_time() - cpu, out.ops
 
 
-def _rank(rank: int, ranks: int, port: int, microbatches: int, budgets: list, results) -> None:
+def _rank(rank: int, ranks: int, port: int, microbatches: int, costs: Costs, budgets: list, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     sched = build_schedule("dualpipev", ranks, microbatches)
     for budget in budgets:
-        alone, _, ops_alone = _timed(sched, budget, None)
+        alone, _, ops_alone = _timed(sched, costs, budget, None)
         workers = _RoundTimedWorkers(dist.group.WORLD, {"budget": repr(budget)})
-        shared, cpu, ops_shared = _timed(sched, budget, workers)
+        shared, cpu, ops_shared = _timed(sched, costs, budget, workers)
         every: list[Any] = [None] * ranks
         dist.all_gather_object(every, workers.rounds)
         critical = sum(max(round_cpu) for round_cpu in zip(*every))
@@ -83,18 +88,20 @@ def main() -> None:
     parser.add_argument("-P", "--ranks", type=int, default=16)
     parser.add_argument("-M", "--microbatches", type=int, default=128)
     parser.add_argument("--budgets", default="25,none", help="comma-separated K per rank, or none")
+    parser.add_argument("--costs", choices=sorted(COSTS), default="uniform")
     args = parser.parse_args()
+    costs = COSTS[args.costs]
     budgets = [None if b == "none" else int(b) for b in args.budgets.split(",")]
     sched = build_schedule("dualpipev", args.ranks, args.microbatches)
     one = {}
     for budget in budgets:
         start = time.perf_counter()
-        optimize_order(sched, Costs.of(), max_activations=budget)
+        optimize_order(sched, costs, max_activations=budget)
         one[budget] = time.perf_counter() - start
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.microbatches, budgets, results))
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.microbatches, costs, budgets, results))
              for r in range(args.ranks)]
     for p in procs:
         p.start()
@@ -107,7 +114,7 @@ def main() -> None:
         rows.append([f"K = {budget}" if budget is not None else "no budget", f"{one[budget]:.1f}",
                      f"{max(g[2] for g in mine):.1f}", f"{max(g[3] for g in mine):.1f}",
                      f"{max(g[5] for g in mine):.1f}", f"{mine[0][6]:.1f}", str(all(g[4] for g in mine))])
-    print(f"DualPipeV P={args.ranks} M={args.microbatches}, uniform costs, {os.cpu_count()} CPUs")
+    print(f"DualPipeV P={args.ranks} M={args.microbatches}, {args.costs} costs, {os.cpu_count()} CPUs")
     print(markdown_table(["budget", "one process alone (s)", f"{args.ranks} ranks, each all of it (s)",
                           f"{args.ranks} ranks sharing it (s)", "its busiest rank's CPU (s)",
                           "sum of each round's slowest rank's CPU (s)", "same order"], rows))
