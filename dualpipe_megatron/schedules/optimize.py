@@ -17,8 +17,8 @@ for the oldest micro-batch; DualPipe's directions each get a share of the cap; e
 window by how long its activations live; a micro-batch enters only while few enough of its
 direction are in flight), orders that follow the input's op ranks and pairs under the cap,
 and, where F&B pairs save time, the best unpaired rule's list schedule with per-rank pairing
-policies (:mod:`.pair_policy`). The one-micro-batch-at-a-time order, which meets the minimum (:func:`min_activations`), is
-the fallback start. The search is bounded by work, not time, and deterministic; it times
+policies (:mod:`.pair_policy`). The one-micro-batch-at-a-time order, which meets the minimum
+(:func:`min_activations`), is the fallback start. The search is bounded by work, not time, and deterministic; it times
 schedules with floats, re-timing only what follows a move (:func:`~.events.timing`'s
 ``since``), and only the final check is exact. Its pieces (each list schedule, each search,
 each exact check) are independent, so :class:`Workers` may run them apart (the pipeline ranks

@@ -16,6 +16,7 @@ from .list_scheduler import PairPolicy, Rule, Stage, list_schedule
 from .order_model import INF, OrderModel
 
 SWEEPS = 2  # passes over the ranks at most
+Run = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]  # maps a function over tasks, as Workers.map
 
 
 def policies(model: OrderModel, r: int) -> list[frozenset[tuple[Stage, Stage]]]:
@@ -27,13 +28,14 @@ def policies(model: OrderModel, r: int) -> list[frozenset[tuple[Stage, Stage]]]:
     return [frozenset()] + [frozenset([c]) for c in combos] + [frozenset(combos)]
 
 
-def search_policy(model: OrderModel, caps: list[int], rule: Rule,
-                  run: Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]], sweeps: int = SWEEPS) -> Optional[tuple[tuple[float, float], list[list[Op]], PairPolicy]]:
-    """The shortest list schedule by ``rule`` (and its score and policy) found over per-rank
-    policies: from pairing nothing, each rank in turn tries each of its other policies with the
-    other ranks' fixed (``run`` maps them, as :class:`~.optimize.Workers` does, bounded by the best step so far) and keeps
-    the best if it scores better, for at most ``sweeps`` passes or until one keeps nothing. A
-    fixed number of list schedules, so it is deterministic. None if no policy fits the caps."""
+def search_policy(model: OrderModel, caps: list[int], rule: Rule, run: Run,
+                  sweeps: int = SWEEPS) -> Optional[tuple[tuple[float, float], list[list[Op]], PairPolicy]]:
+    """The shortest list schedule by ``rule`` found over per-rank policies, with its score and
+    policy; None if none fits the caps. From pairing nothing, each rank in turn tries each of its
+    other policies with the other ranks' fixed, each list schedule bounded by the best step so
+    far, and keeps the best if it scores better; at most ``sweeps`` passes, or until one keeps
+    nothing. ``run`` maps one rank's tries (as :class:`~.optimize.Workers` does, so the pipeline
+    ranks can share them). A fixed number of list schedules, so it is deterministic."""
     policy: list[frozenset[tuple[Stage, Stage]]] = [frozenset()] * model.ranks
     got = list_schedule(model, caps, rule, None, INF, policy)
     best = got[0] if got is not None else (INF, INF)
