@@ -4,10 +4,10 @@ ranks sharing it (runtime/shared_search.py), in real processes on this machine.
 Run ``.venv/bin/python bench/shared_search.py [-P 16] [-M 128] [--budgets 25,none] [--costs paired]``;
 not part of ``make test``. ``--costs``: ``uniform`` (F 1, B 2, W 1, F&B 3: no pair saves time,
 the training path's default) or ``paired`` (W 0.5, F&B 2.4 = 0.8 (F+B), where the budgeted
-search also tries per-rank pairing policies). It starts P gloo processes; for each budget each rank times, from a common
-barrier, the search alone (what every rank did before: all ranks at once, each running the
-whole search) and shared (rank r runs pieces r, r + P, ...; an all-gather gives every rank every
-result), and checks both give the same order. It prints the slowest rank's seconds per mode, the
+search also tries per-rank pairing policies). It starts P gloo processes; for each budget each
+rank times, from a common barrier, the search alone (what every rank did before: all ranks at
+once, each running the whole search) and shared (rank r runs pieces r, r + P, ...; an
+all-gather gives every rank every result), and checks both give the same order. It prints the slowest rank's seconds per mode, the
 CPU seconds of the busiest rank when shared, and one process running the search with the machine
 to itself. With P processes on a machine with fewer cores they share the cores: the time all
 ranks need is the figure, not one rank's. With a core per rank (a GPU node) each round of pieces

@@ -389,8 +389,8 @@ class LastFirstWorkers:
 def test_the_order_is_the_same_for_any_number_of_workers(count: int) -> None:
     """optimize.Workers: the list schedules parted among workers (one each unbounded first, then
     the rest bounded by the sixth best of those and of their own part, each part returning only
-    its best), the pairing policies, the searches and the exact checks run apart, give the order one worker finds
-    (DualPipe P=4 M=8, K one below DeepSeek's peak; per-stage costs; 64 workers outnumber the
+    its best), the pairing policies, the searches and the exact checks run apart, give the order
+    one worker finds (DualPipe P=4 M=8, K one below DeepSeek's peak; per-stage costs; 64 workers outnumber the
     list schedules). A piece that depended on what ran before it (say, one random stream for all
     searches) would fail this."""
     sched = build_schedule("dualpipe", 4, 8)

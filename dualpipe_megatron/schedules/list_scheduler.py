@@ -155,8 +155,8 @@ def list_schedule(model: OrderModel, caps: list[int], rule: Rule, follow: Option
     for ds in rank:
         work[rank[ds]] += per * (model.F[ds] + model.B[ds])
     pairs = rule.pair or follow is not None
-    saves = [max([0.0] + [model.pair_saves(f, b) for f in model.stages_on[r] for b in model.stages_on[r]
-                          if pairs or (f, b) in policy[r]]) if pairs or policy else 0.0 for r in range(P)]
+    saves = [max([0.0] + [model.pair_saves(f, b) for f, b in model.saving_pairs[r] if pairs or (f, b) in policy[r]])
+             if pairs or policy else 0.0 for r in range(P)]
     slack = bound + 1e-9 * max(1.0, bound)  # float sums of the work are not exact
     # congestion control: a micro-batch enters only while few enough of its direction are in
     # flight (entered, stage 0's weight grad not done), so that ranks downstream never fill up

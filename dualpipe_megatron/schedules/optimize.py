@@ -18,9 +18,9 @@ window by how long its activations live; a micro-batch enters only while few eno
 direction are in flight), orders that follow the input's op ranks and pairs under the cap,
 and, where F&B pairs save time, the best unpaired rule's list schedule with per-rank pairing
 policies (:mod:`.pair_policy`). The one-micro-batch-at-a-time order, which meets the minimum
-(:func:`min_activations`), is the fallback start. The search is bounded by work, not time, and deterministic; it times
-schedules with floats, re-timing only what follows a move (:func:`~.events.timing`'s
-``since``), and only the final check is exact. Its pieces (each list schedule, each search,
+(:func:`min_activations`), is the fallback start. The search is bounded by work, not time, and
+deterministic; it times schedules with floats, re-timing only what follows a move
+(:func:`~.events.timing`'s ``since``), and only the final check is exact. Its pieces (each list schedule, each search,
 each exact check) are independent, so :class:`Workers` may run them apart (the pipeline ranks
 of a training job do) and the order is the same.
 
@@ -273,9 +273,8 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
         rules = RULES + tuple(r for r in BUDGET_RULES if not r.split or sched.directions > 1)
         follow = (sched.ops, split_ops)
         # an input above the budget skips the search under its own peaks: this one gets its work too
-        pays = any(model.pair_saves(f, b) > 0 for on in model.stages_on for f in on for b in on)
         found += _search(model, caps, [sched.ops, split_ops] if fits else [], budget if fits else 2 * budget,
-                         workers, rules, follow, policy=pays)
+                         workers, rules, follow, policy=any(model.saving_pairs))
         if not found:
             found = _search(model, caps, [_sequential(model)], budget, workers)
     # the exact check, shortest first, of those shorter than the input when it fits (the first

@@ -42,6 +42,8 @@ class OrderModel:
         self._pairs: dict[tuple[int, int, int, int, int, int, bool], FB] = {}
         self._singles = 4 * self.directions * self.stages * self.per  # codes of single ops (pack)
         self.spent = 0  # ops timed so far: the search's work
+        # per rank, the (F stage, B stage) combinations whose F&B pair is shorter than the two alone
+        self.saving_pairs = [[(f, b) for f in on for b in on if self.pair_saves(f, b) > 0] for on in self.stages_on]
 
     def enc(self, op: Op) -> TimedOp:
         """The op's events and cost, its dependencies by the events core's rules."""

@@ -22,7 +22,7 @@ Run = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]  # maps a funct
 def policies(model: OrderModel, r: int) -> list[frozenset[tuple[Stage, Stage]]]:
     """Rank r's candidate policies over its combinations that a pair shortens: every set of
     them when there are at most four (a rank with two stages), else none, each alone, and all."""
-    combos = [(f, b) for f in model.stages_on[r] for b in model.stages_on[r] if model.pair_saves(f, b) > 0]
+    combos = model.saving_pairs[r]
     if len(combos) <= 4:
         return [frozenset(c for i, c in enumerate(combos) if bits >> i & 1) for bits in range(1 << len(combos))]
     return [frozenset()] + [frozenset([c]) for c in combos] + [frozenset(combos)]
