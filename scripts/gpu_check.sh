@@ -132,7 +132,8 @@ print(f"CUDA_VERSION={torch.version.cuda}")
 if cuda:
     print(f"GPU={torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
 try:
-    v = torch.cuda.nccl.version()
+    from dualpipe_megatron.runtime.nccl_version import loaded_nccl_version
+    v = loaded_nccl_version()  # not torch's build-time one: a newer libnccl.so.2 may be in place
     print("NCCL=" + ".".join(map(str, v)))
     print(f"NCCL_MULTI_RANK={int(tuple(v[:2]) >= (2, 30))}")
 except Exception as exc:

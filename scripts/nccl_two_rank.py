@@ -58,6 +58,7 @@ def main(args: argparse.Namespace) -> bool:
     sys.path.insert(0, str(REPO / "tests"))
     import runtime_workers as rw
     from dualpipe_megatron.runtime import Pipeline, sync_mirrored_grads
+    from dualpipe_megatron.runtime.nccl_version import loaded_nccl_version
     from dualpipe_megatron.schedules import build_schedule
 
     device_kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,7 +88,7 @@ def main(args: argparse.Namespace) -> bool:
         return t.tolist()
 
     say(f"world {world} on {device} ({dist.get_backend()}), torch {torch.__version__}"
-        + (f", NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" if device_kind == "cuda" else ""))
+        + (f", NCCL {'.'.join(map(str, loaded_nccl_version()))}" if device_kind == "cuda" else ""))
     message_mib = rows * hidden * dtype.itemsize / 2**20
     say(f"hidden {hidden}, {rows} rows x {args.microbatches} micro-batches, {args.dtype}: "
         f"{message_mib:g} MiB per activation message (NCCL's default buffer: 4 MiB)")

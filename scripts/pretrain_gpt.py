@@ -179,5 +179,6 @@ if __name__ == "__main__":
     from dualpipe_megatron.routes import install_for_megatron
 
     install_cpu_compat()  # a no-op where CUDA exists
+    install_cpu_compat(["dataset_helpers"], force=True)  # the wheel's built helpers, GPU too
     install_for_megatron()
     main()

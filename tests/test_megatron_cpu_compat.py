@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import types
 from collections.abc import Iterator
@@ -115,3 +116,28 @@ def test_version_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.20.0")
     with pytest.raises(RuntimeError, match="0.20.0 is not supported"):
         guard.check_version()
+
+
+def test_dataset_helpers_use_the_built_module_else_megatrons_build(
+    restore: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wheel ships helpers_cpp built but no Makefile: compile_helpers imports it (GPU jobs
+    too, where scripts/pretrain_gpt.py forces this group) and builds only where it is missing."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    builds: list[bool] = []
+    monkeypatch.setattr(dataset_utils, "compile_helpers", lambda: builds.append(True))
+    assert install_cpu_compat(["dataset_helpers"], force=True) == ["dataset_helpers"]
+    dataset_utils.compile_helpers()
+    assert builds == []
+
+    real = importlib.import_module
+
+    def without_helpers(name: str, *args: object) -> types.ModuleType:
+        if name.endswith("helpers_cpp"):
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_helpers)
+    dataset_utils.compile_helpers()
+    assert builds == [True]

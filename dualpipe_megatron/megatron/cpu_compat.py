@@ -375,10 +375,9 @@ _NO_STREAM_ORDER_ARCH = 10
 
 
 def _install_pretrain() -> None:
-    """`megatron.training.pretrain()`: CUDA assert, GPU-count gated init, `make` at startup, and
-    argument validation's GPU-architecture query (asked whenever TP or CP > 1)."""
+    """`megatron.training.pretrain()`: CUDA assert, GPU-count gated init, and argument
+    validation's GPU-architecture query (asked whenever TP or CP > 1)."""
     try:
-        from megatron.core.datasets import utils as dataset_utils
         from megatron.training import arguments, training
     except ImportError as exc:
         raise _Unavailable(f"megatron.training is not importable ({exc})") from exc
@@ -401,15 +400,29 @@ def _install_pretrain() -> None:
         # claim one only while it runs so nothing else believes a GPU exists.
         return max(1, device_count()) if _initializing else device_count()
 
-    def compile_helpers() -> None:
-        importlib.import_module("megatron.core.datasets.helpers_cpp")  # prebuilt in the wheel
-
     PATCHES.patch(training, "initialize_megatron", initialize_megatron, _INITIALIZE_MEGATRON)
     PATCHES.patch(torch.cuda, "device_count", count_devices, [])
-    PATCHES.patch(dataset_utils, "compile_helpers", compile_helpers, "()")
     # CPU work runs in program order, so TP/CP need no single-connection CUDA stream ordering:
     # answer as the architecture for which Megatron asks for none (only its arguments check asks).
     PATCHES.patch(arguments, "get_device_arch_version", lambda: _NO_STREAM_ORDER_ARCH, "()")
+
+
+def _install_dataset_helpers() -> None:
+    """The megatron-core wheel ships its dataset index helpers built (``helpers_cpp``) but not the
+    Makefile that Megatron's ``compile_helpers`` runs on rank 0, which exits when make fails: use
+    the built module where it imports, else Megatron's own build (a source checkout). Not
+    CPU-specific: a GPU job on the wheel needs it too (``scripts/pretrain_gpt.py`` forces it)."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    build = dataset_utils.compile_helpers
+
+    def compile_helpers() -> None:
+        try:
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+        except ImportError:
+            build()
+
+    PATCHES.patch(dataset_utils, "compile_helpers", compile_helpers, "()")
 
 
 GROUPS: dict[str, Callable[[], None]] = {
@@ -424,6 +437,7 @@ GROUPS: dict[str, Callable[[], None]] = {
     "mla": _install_mla,
     "recompute": _install_recompute,
     "pretrain": _install_pretrain,
+    "dataset_helpers": _install_dataset_helpers,
 }
 
 
