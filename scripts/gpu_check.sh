@@ -24,7 +24,8 @@
 #                  op; traces, reports and figures go into one archive, profile.tar.gz
 #   calibrate      `python -m dualpipe_megatron.projection calibrate` on the dualpipev run's trace:
 #                  per-layer op costs and communication measured on the GPU (in profile.tar.gz)
-# The three two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU); with
+# The three two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU; the
+# device tool's H200 image has 2.28.9: docs/nccl.md says how 2.32.6 was put in its place); with
 # --cpu-dry-run they run on CPU with gloo instead. Every launched command has a hard timeout, so
 # a hang is a FAIL. Logs and results go to ${OUT:-outputs/gpu_check}; the exit status is 0 only
 # if no section FAILed.
