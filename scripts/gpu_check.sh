@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU check of this project in one run (one NVIDIA GPU; < 8 minutes; no internet needed).
+# Every GPU check of this project in one run (one NVIDIA GPU; about 5 minutes when all pass on an
+# H200; no internet needed).
 #
 #   bash scripts/gpu_check.sh                  # on the GPU machine (make gpu-check)
 #   bash scripts/gpu_check.sh --cpu-dry-run    # here, no GPU: the same steps on CPU/gloo
 #   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh
+#   GPU_CHECK_ONLY=megatron_budget bash scripts/gpu_check.sh   # env, setup and these sections only
 #
 # Sections, each ending in one PASS, FAIL or SKIP line with its reason:
 #   env            nvidia-smi, Python, torch, CUDA, NCCL and megatron-core versions
@@ -17,6 +19,10 @@
 #                  on cuda:0, 3 iterations, mock data, local transformer implementation
 #   megatron_eplb  the same script, an MoE GPT at EP=2 with --eplb-interval 1 and 2 redundant
 #                  experts: slots re-placed, replicas checked bitwise against owners every step
+#   megatron_budget
+#                  from one PP=1 checkpoint, dualpipev under --dualpipe-max-activations 4
+#                  (DeepSeek's order peaks at 5 there) and Megatron's own 1F1B: the lm loss of
+#                  iterations 2-4 must agree to 1e-5 relative (issue 26's training check, on a GPU)
 #   profile_pp2, profile_eplb
 #                  both Megatron sections run Megatron's PyTorch profiler over iteration 2
 #                  (--profile --use-pytorch-profiler); `python -m dualpipe_megatron.trace profile`
@@ -24,7 +30,7 @@
 #                  op; traces, reports and figures go into one archive, profile.tar.gz
 #   calibrate      `python -m dualpipe_megatron.projection calibrate` on the dualpipev run's trace:
 #                  per-layer op costs and communication measured on the GPU (in profile.tar.gz)
-# The three two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU; the
+# The four two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU; the
 # device tool's H200 image has 2.28.9: docs/nccl.md says how 2.32.6 was put in its place); with
 # --cpu-dry-run they run on CPU with gloo instead. Every launched command has a hard timeout, so
 # a hang is a FAIL. Logs and results go to ${OUT:-outputs/gpu_check}; the exit status is 0 only
@@ -44,7 +50,8 @@ done
 OUT_DIR=${OUT:-outputs/gpu_check}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-# Seconds; with the index probe (25) and env (~30), about 10 minutes if every launch hangs.
+# Seconds; with the index probe (25) and env (~30), about 17 minutes if every launch hangs (lower
+# them, or run fewer sections with GPU_CHECK_ONLY, to fit a shorter lease).
 # At most 8 files land in the output folder (the device tool brings back 8): the profile sections'
 # outputs (and the calibration after them) are bundled into profile.tar.gz.
 ENV_TIMEOUT=${ENV_TIMEOUT:-90}
@@ -72,6 +79,8 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1         # Megatron's setting (launch_torchr
 if [[ "$DRY_RUN" == 1 ]]; then export DUALPIPE_NCCL_STRICT=${DUALPIPE_NCCL_STRICT:-1}; fi
 
 SECTIONS=() STATUSES=() REASONS=()
+ONLY=${GPU_CHECK_ONLY:-}  # comma-separated sections to run (env and setup always run); empty: all
+selected() { [[ -z "$ONLY" || ",$ONLY," == *",$1,"* ]]; }
 record() {  # record SECTION STATUS REASON
     SECTIONS+=("$1") STATUSES+=("$2") REASONS+=("$3")
     echo "== $1: $2 - $3"
@@ -218,7 +227,9 @@ fi
 
 # -- op costs --------------------------------------------------------------------------------------
 header "op_costs"
-if ! have_torch; then
+if ! selected op_costs; then
+    record op_costs SKIP "not selected (GPU_CHECK_ONLY=$ONLY)"
+elif ! have_torch; then
     record op_costs SKIP "no torch"
 elif [[ "$DRY_RUN" == 1 ]]; then
     log="$SCRATCH/op_costs.log"
@@ -253,7 +264,9 @@ TORCHRUN=(-m torch.distributed.run --standalone --nproc-per-node 2)
 # -- two ranks of the native runtime ---------------------------------------------------------------
 header "nccl_two_rank"
 blocker=$(two_rank_blocker)
-if ! have_torch; then
+if ! selected nccl_two_rank; then
+    record nccl_two_rank SKIP "not selected (GPU_CHECK_ONLY=$ONLY)"
+elif ! have_torch; then
     record nccl_two_rank SKIP "no torch"
 elif [[ -n "$blocker" ]]; then
     echo "SKIP: $blocker"
@@ -305,7 +318,9 @@ pretrain_two_ranks() {
     local section=$1 log=$2 blocker
     shift 2
     blocker=$(two_rank_blocker)
-    if ! have_torch || ! have_megatron; then
+    if ! selected "$section"; then
+        record "$section" SKIP "not selected (GPU_CHECK_ONLY=$ONLY)"; return $SKIPPED
+    elif ! have_torch || ! have_megatron; then
         record "$section" SKIP "megatron-core not importable ($MEGATRON)"; return $SKIPPED
     elif [[ -n "$blocker" ]]; then
         echo "SKIP: $blocker"; record "$section" SKIP "$blocker"; return $SKIPPED
@@ -364,6 +379,55 @@ if [[ $rc != "$SKIPPED" ]]; then
         record megatron_eplb FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $metric_lines of 3 lines with eplb_max_mean_load, $moved re-placements that moved experts, $checked of 3 replica checks, $errors tracebacks"
     fi
 fi
+
+# -- activation budget against Megatron's 1F1B ------------------------------------------------------
+header "megatron_budget"
+# DualPipeV at PP=2 with 4 micro-batches peaks at 5 live (d,s,m) per rank in DeepSeek's order;
+# --dualpipe-max-activations 4 runs the optimizer's order within 4. Megatron's own 1F1B is the
+# reference, as in tests/test_megatron_training.py: both start from one PP=1 checkpoint (Megatron
+# seeds each pipeline rank's initialisation apart, so two layouts would start from other weights)
+# and train iterations 2..4; the lm loss of each agrees to 1e-5 relative (the schedules change the
+# order of work, not the math; gradients accumulate in another order).
+lm_losses() { grep -oE "iteration +[0-9]+/ +4 \|.*lm loss: [0-9.E+-]+" "$1" | grep -oE "[0-9.]+E[+-][0-9]+$"; }
+if selected megatron_budget && [[ -z "$(two_rank_blocker)" ]] && have_megatron; then
+    init="$SCRATCH/budget_init" extra=()
+    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); fi
+    # iteration 1 at PP=1 with learning rate 0: the shared starting weights
+    OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$SCRATCH/budget_init.log" "$PY" -m torch.distributed.run \
+        --standalone --nproc-per-node 1 "${PIN_GPU0[@]}" scripts/pretrain_gpt.py "${MODEL[@]}" "${NO_FUSIONS[@]}" \
+        "${extra[@]}" "${DATA[@]}" --train-iters 1 --lr 0 --min-lr 0 --lr-decay-style constant \
+        --lr-warmup-iters 0 --save "$init" --save-interval 1
+fi
+saved_train=("${TRAIN[@]}")
+TRAIN=(--train-iters 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1
+       --load "$SCRATCH/budget_init" --no-load-optim --no-load-rng)
+budget_log="$SCRATCH/megatron_budget.log" reference_log="$SCRATCH/megatron_1f1b.log"
+pretrain_two_ranks megatron_budget "$budget_log" "${MODEL[@]}" "${PARALLEL[@]}" --dualpipe-max-activations 4
+rc=$?
+if [[ $rc != "$SKIPPED" ]]; then
+    pretrain_two_ranks megatron_budget "$reference_log" "${MODEL[@]}" --pipeline-model-parallel-size 2 \
+        --pipeline-schedule 1f1b
+    ref_rc=$?
+    budget=$(lm_losses "$budget_log" | paste -sd' ') reference=$(lm_losses "$reference_log" | paste -sd' ')
+    grep -E "DualPipe op order optimized" "$budget_log" | head -n 1
+    echo "lm loss, dualpipev within 4: $budget"
+    echo "lm loss, Megatron's 1F1B:    $reference"
+    agree=$("$PY" - "$budget" "$reference" <<'EOF'
+import sys
+got, want = (list(map(float, a.split())) for a in sys.argv[1:3])
+print(int(len(got) == len(want) == 3 and all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(got, want))))
+EOF
+)
+    if [[ $rc == 0 && $ref_rc == 0 && "$agree" == 1 ]]; then
+        record megatron_budget PASS "$WHAT: dualpipev within 4 live per rank, lm loss of iterations 2-4 equal to 1F1B's to 1e-5"
+    else
+        show_tail "$SCRATCH/budget_init.log" 20
+        show_tail "$budget_log" 30
+        [[ $ref_rc == 0 ]] || show_tail "$reference_log" 30
+        record megatron_budget FAIL "$WHAT: exit status $rc (1F1B $ref_rc); lm loss $budget against 1F1B's $reference"
+    fi
+fi
+TRAIN=("${saved_train[@]}")
 
 # -- profile: the Megatron sections' profiler traces read back ------------------------------------
 header "profile"
