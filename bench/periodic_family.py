@@ -1,7 +1,7 @@
 """How short a period can a repeating DualPipeV order have within an activation budget (issue 26)?
 An exact answer over one family of orders, with no solver.
 
-Run ``.venv/bin/python bench/periodic_family.py [--ranks 4,8,16] [--periods 5.4,5.6,5.7,5.8,6]``;
+Run ``.venv/bin/python bench/periodic_family.py [--ranks 4,8,16] [--periods 4.8,5.8] [--step 0.1]``;
 not part of ``make test``. Costs: the "uniform F1 B2 W0.5 FB2.4" set of
 ``bench/schedule_budget.py`` (F 1, B(w=false) 1.5, W 0.5, an F&B pair with a split backward 1.9).
 
@@ -19,9 +19,9 @@ wait of a link is a function of the two cycles alone. Stage 0's activation lives
 round trip (every F, every B, then its W), so rank 0's two lifetimes are the sum of the ranks'
 op times and of every link's wait: a dynamic program over the ranks finds the least. Their sum
 over T is rank 0's average live count, a floor under its peak: where it is above K, no order of
-the family with that period fits K. (The dynamic program does not bound the other ranks; at
-the shortest period that fits, the order it finds is checked by :func:`walk`, the chain followed
-op by op.)
+the family with that period fits K. (The dynamic program does not bound the other ranks. Each
+order it finds is checked against :func:`walk`, the chain followed op by op, which also gives
+every rank's peak.)
 """
 
 from __future__ import annotations
