@@ -124,9 +124,10 @@ def least_rank0_lifetimes(ranks: int, period: int, d: Durations) -> Found:
                 + (start["Ba"][i] - end["Ba"][:, None] - shift) % period)  # B of stage r + 1 to r
         link[i], best_shift[i] = wait.min(axis=1), wait.argmin(axis=1)
     tip = (start["Fb"] - end["Fa"]) % period + (start["Ba"] - end["Bb"]) % period
-    root = ((start["Bb"] - end["Fb"]) % period * 2 + (start["Wa"] - end["Ba"]) % period + d.w  # stage 0's own waits
-            + (end["Fb"] - start["Fb"]) + (end["Bb"] - start["Bb"]) + (start["Wb"] - end["Bb"]) % period + d.w)
-    cost, back = root + own, []
+    turn = (start["Bb"] - end["Fb"]) % period  # rank 0's wait from stage 2P-1's F to its B
+    stage0_rest = turn + (start["Wa"] - end["Ba"]) % period + d.w  # beyond the links and ranks' op times
+    last_stage = (end["Fb"] - start["Fb"]) + turn + (end["Bb"] - start["Bb"]) + (start["Wb"] - end["Bb"]) % period + d.w
+    cost, back = stage0_rest + last_stage + own, []
     for _ in range(1, ranks):
         total = cost[:, None] + link
         back.append(total.argmin(axis=0))

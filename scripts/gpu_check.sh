@@ -312,24 +312,33 @@ profiled() {
     echo --profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 3 \
         --tensorboard-dir "$PROFILE_DIR/$1/tb"
 }
-# pretrain_two_ranks SECTION LOG ARGS...: scripts/pretrain_gpt.py ARGS on two ranks of cuda:0 (gloo
-# on CPU in a dry run) into LOG, setting WHAT; records SKIP and returns $SKIPPED when it cannot run.
-pretrain_two_ranks() {
-    local section=$1 log=$2 blocker
+# pretrain_skip SECTION: why SECTION's pretraining runs cannot go here, or nothing.
+pretrain_skip() {
+    if ! selected "$1"; then echo "not selected (GPU_CHECK_ONLY=$ONLY)"
+    elif ! have_torch || ! have_megatron; then echo "megatron-core not importable ($MEGATRON)"
+    else two_rank_blocker; fi
+}
+# pretrain_on_gpu0 NPROC LOG ARGS...: scripts/pretrain_gpt.py on NPROC ranks of cuda:0 (gloo on CPU in
+# a dry run) into LOG. ARGS come after the shared data and training settings, so they override them.
+pretrain_on_gpu0() {
+    local nproc=$1 log=$2 extra=()
     shift 2
-    blocker=$(two_rank_blocker)
-    if ! selected "$section"; then
-        record "$section" SKIP "not selected (GPU_CHECK_ONLY=$ONLY)"; return $SKIPPED
-    elif ! have_torch || ! have_megatron; then
-        record "$section" SKIP "megatron-core not importable ($MEGATRON)"; return $SKIPPED
-    elif [[ -n "$blocker" ]]; then
-        echo "SKIP: $blocker"; record "$section" SKIP "$blocker"; return $SKIPPED
+    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); fi
+    OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$log" "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node "$nproc" "${PIN_GPU0[@]}" scripts/pretrain_gpt.py "${NO_FUSIONS[@]}" "${extra[@]}" \
+        "${DATA[@]}" "${TRAIN[@]}" "$@"
+}
+# pretrain_two_ranks SECTION LOG ARGS...: pretrain_on_gpu0 with two ranks, setting WHAT; records SKIP
+# and returns $SKIPPED when it cannot run.
+pretrain_two_ranks() {
+    local section=$1 log=$2 skip
+    shift 2
+    skip=$(pretrain_skip "$section")
+    if [[ -n "$skip" ]]; then
+        echo "SKIP: $skip"; record "$section" SKIP "$skip"; return $SKIPPED
     fi
-    local extra=()
-    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); WHAT="gloo on CPU"
-    else WHAT="NCCL $NCCL, 2 ranks on cuda:0"; fi
-    OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$log" "$PY" "${TORCHRUN[@]}" "${PIN_GPU0[@]}" \
-        scripts/pretrain_gpt.py "$@" "${NO_FUSIONS[@]}" "${extra[@]}" "${DATA[@]}" "${TRAIN[@]}"
+    if [[ "$DRY_RUN" == 1 ]]; then WHAT="gloo on CPU"; else WHAT="NCCL $NCCL, 2 ranks on cuda:0"; fi
+    pretrain_on_gpu0 2 "$log" "$@"
 }
 
 log="$OUT_DIR/megatron_pp2.log"
@@ -389,24 +398,20 @@ header "megatron_budget"
 # and train iterations 2..4; the lm loss of each agrees to 1e-5 relative (the schedules change the
 # order of work, not the math; gradients accumulate in another order).
 lm_losses() { grep -oE "iteration +[0-9]+/ +4 \|.*lm loss: [0-9.E+-]+" "$1" | grep -oE "[0-9.]+E[+-][0-9]+$"; }
-if selected megatron_budget && [[ -z "$(two_rank_blocker)" ]] && have_megatron; then
-    init="$SCRATCH/budget_init" extra=()
-    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); fi
+init="$SCRATCH/budget_init"
+if [[ -z "$(pretrain_skip megatron_budget)" ]]; then
     # iteration 1 at PP=1 with learning rate 0: the shared starting weights
-    OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$SCRATCH/budget_init.log" "$PY" -m torch.distributed.run \
-        --standalone --nproc-per-node 1 "${PIN_GPU0[@]}" scripts/pretrain_gpt.py "${MODEL[@]}" "${NO_FUSIONS[@]}" \
-        "${extra[@]}" "${DATA[@]}" --train-iters 1 --lr 0 --min-lr 0 --lr-decay-style constant \
-        --lr-warmup-iters 0 --save "$init" --save-interval 1
+    pretrain_on_gpu0 1 "$SCRATCH/budget_init.log" "${MODEL[@]}" --train-iters 1 --lr 0 --min-lr 0 \
+        --lr-decay-style constant --lr-warmup-iters 0 --save "$init" --save-interval 1
 fi
-saved_train=("${TRAIN[@]}")
-TRAIN=(--train-iters 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1
-       --load "$SCRATCH/budget_init" --no-load-optim --no-load-rng)
+FROM_INIT=(--train-iters 4 --load "$init" --no-load-optim --no-load-rng)
 budget_log="$SCRATCH/megatron_budget.log" reference_log="$SCRATCH/megatron_1f1b.log"
-pretrain_two_ranks megatron_budget "$budget_log" "${MODEL[@]}" "${PARALLEL[@]}" --dualpipe-max-activations 4
+pretrain_two_ranks megatron_budget "$budget_log" "${MODEL[@]}" "${PARALLEL[@]}" --dualpipe-max-activations 4 \
+    "${FROM_INIT[@]}"
 rc=$?
 if [[ $rc != "$SKIPPED" ]]; then
     pretrain_two_ranks megatron_budget "$reference_log" "${MODEL[@]}" --pipeline-model-parallel-size 2 \
-        --pipeline-schedule 1f1b
+        --pipeline-schedule 1f1b "${FROM_INIT[@]}"
     ref_rc=$?
     budget=$(lm_losses "$budget_log" | paste -sd' ') reference=$(lm_losses "$reference_log" | paste -sd' ')
     grep -E "DualPipe op order optimized" "$budget_log" | head -n 1
@@ -427,7 +432,6 @@ EOF
         record megatron_budget FAIL "$WHAT: exit status $rc (1F1B $ref_rc); lm loss $budget against 1F1B's $reference"
     fi
 fi
-TRAIN=("${saved_train[@]}")
 
 # -- profile: the Megatron sections' profiler traces read back ------------------------------------
 header "profile"
