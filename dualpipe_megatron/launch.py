@@ -1,9 +1,11 @@
 """``python -m dualpipe_megatron.launch SCRIPT [ARGS]``: run an unmodified Megatron pretrain
 script with ``--pipeline-schedule`` available.
 
-Installs the CPU compatibility layer (a no-op where CUDA exists) and the training hooks in this
-process (through Megatron's schedule extension point where patches/ was applied, else guarded
-runtime patches), then runs SCRIPT as ``__main__`` with ARGS. Works under torchrun and srun, which start
+Installs what ``scripts/pretrain_gpt.py`` installs, through the same function
+(``routes.install_for_training``): the CPU compatibility layer (a no-op where CUDA exists), the
+wheel's built dataset helpers (GPU too) and the training hooks (through Megatron's schedule
+extension point where patches/ was applied, else guarded runtime patches). Then it runs SCRIPT
+as ``__main__`` with ARGS. Works under torchrun and srun, which start
 this command once per rank.
 """
 
@@ -23,11 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(script):
         print(f"error: no such script: {script}", file=sys.stderr)
         return 2
-    from .megatron.cpu_compat import install_cpu_compat
-    from .routes import install_for_megatron
+    from .routes import install_for_training
 
-    install_cpu_compat()
-    install_for_megatron()
+    install_for_training()
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import inspect
+import sys
 import types
+from pathlib import Path
 from typing import Any, Sequence
 
 SUPPORTED_MEGATRON = (0, 19)
@@ -31,11 +34,55 @@ _MISSING = object()
 _DESCRIPTORS = (staticmethod, classmethod)
 
 
-def megatron_version() -> str | None:
+def installed_megatron_version() -> str | None:
+    """The megatron-core distribution's version from package metadata (None: no distribution,
+    as with a source checkout on ``PYTHONPATH``)."""
     try:
         return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def imported_megatron_version() -> str | None:
+    """``megatron.core.package_info.__version__`` of the megatron Python imports (or would import):
+    the loaded module, else its file run alone, since importing ``megatron.core`` costs seconds.
+    None where no ``megatron.core`` is found."""
+    loaded = sys.modules.get("megatron.core.package_info")
+    if loaded is not None:
+        return loaded.__version__
+    try:
+        spec = importlib.util.find_spec("megatron.core")  # imports only the namespace ``megatron``
+    except ModuleNotFoundError:
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).with_name("package_info.py")
+    if not path.is_file():
+        return None
+    info = importlib.util.spec_from_file_location("_dualpipe_megatron_package_info", path)
+    module = importlib.util.module_from_spec(info)
+    info.loader.exec_module(module)
+    return module.__version__
+
+
+def _release(version: str) -> str:
+    """A version without its local part (package_info appends ``+<git hash>`` inside any checkout)."""
+    return version.split("+")[0]
+
+
+def megatron_version() -> str | None:
+    """The version of the megatron that runs: the imported package's own, else the metadata's."""
+    return imported_megatron_version() or installed_megatron_version()
+
+
+def megatron_version_mismatch() -> str | None:
+    """One line when the metadata and the imported megatron disagree (a source checkout shadowing
+    an installed wheel), else None."""
+    installed, imported = installed_megatron_version(), imported_megatron_version()
+    if installed is None or imported is None or _release(installed) == _release(imported):
+        return None
+    return (f"megatron-core {installed} is installed, but the megatron imported here is "
+            f"{imported} (a source tree ahead on the path); checking and running against {imported}")
 
 
 def _bare_signature(obj: Any) -> str | None:
@@ -202,5 +249,6 @@ def installed() -> dict[str, list[str]]:
     return {holder.name: holder.labels() for holder in sets.values()}
 
 
-__all__ = ["SUPPORTED", "SUPPORTED_MEGATRON", "PatchSet", "around", "check_signature", "installed",
-           "is_patched", "megatron_version", "unsupported"]
+__all__ = ["SUPPORTED", "SUPPORTED_MEGATRON", "PatchSet", "around", "check_signature", "imported_megatron_version",
+           "installed", "installed_megatron_version", "is_patched", "megatron_version", "megatron_version_mismatch",
+           "unsupported"]

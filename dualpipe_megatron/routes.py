@@ -10,8 +10,14 @@ as the guard records it (``patch_guard.installed()``).
 
 from __future__ import annotations
 
+import os
+
 from .eplb import training as eplb_training
 from .megatron import model, mtp, predicates, training_support, upstream_plugin, wgrad_megatron, wgrad_te
+from .megatron.cpu_compat import install_cpu_compat
+from .patch_guard import megatron_version_mismatch
+
+MOCK_DOCUMENTS_ENV = "DUALPIPE_MOCK_DOCUMENTS"
 
 
 def install_for_megatron() -> str:
@@ -25,6 +31,35 @@ def install_for_megatron() -> str:
         return "plugin"
     training_support.install()
     return "runtime-patches"
+
+
+def install_for_training() -> str:
+    """What every entry point that starts a Megatron training process installs, the same on
+    each (``python -m dualpipe_megatron.launch``, ``scripts/pretrain_gpt.py``, the tests' fork
+    server): says in one line when a megatron source tree shadows the installed wheel; the CPU
+    compatibility layer where CUDA is absent; the ``dataset_helpers`` group on any device (the
+    wheel's built index helpers, since its ``compile_helpers`` would run ``make`` where no
+    Makefile is shipped); a smaller mock corpus where ``DUALPIPE_MOCK_DOCUMENTS`` asks for one;
+    then :func:`install_for_megatron`. Returns the route it took."""
+    mismatch = megatron_version_mismatch()
+    if mismatch and os.environ.get("RANK", "0") == "0":
+        print(f"dualpipe: {mismatch}", flush=True)
+    install_cpu_compat()  # a no-op where CUDA exists
+    install_cpu_compat(["dataset_helpers"], force=True)
+    limit_mock_corpus()
+    return install_for_megatron()
+
+
+def limit_mock_corpus() -> None:
+    """``DUALPIPE_MOCK_DOCUMENTS=N`` keeps the first N documents of Megatron's mock corpus (100,000
+    random-length documents, ~200M tokens; ``--mock-data``). Indexing all of it takes ~13 s per
+    rank on CPU, the larger part of a small test or demo job's start-up; such jobs need a few
+    hundred samples. Unset, Megatron's corpus is untouched."""
+    documents = os.environ.get(MOCK_DOCUMENTS_ENV)
+    if documents:
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+        MockGPTLowLevelDataset.size = int(documents)
 
 
 def uninstall_for_megatron() -> None:
@@ -44,4 +79,5 @@ def uninstall_for_megatron() -> None:
     mtp.PATCHES.restore()
 
 
-__all__ = ["install_for_megatron", "uninstall_for_megatron"]
+__all__ = ["MOCK_DOCUMENTS_ENV", "install_for_megatron", "install_for_training", "limit_mock_corpus",
+           "uninstall_for_megatron"]

@@ -1,8 +1,13 @@
 """GPT / MoE pretraining on ``megatron.training`` with ``--pipeline-schedule`` available.
 
-Run directly, it installs our hooks (and, without CUDA, the CPU compatibility layer) and
-trains. Its functions are also a stock Megatron script's: imported elsewhere it installs
-nothing (see tests/stock_pretrain_gpt.py, run through ``python -m dualpipe_megatron.launch``).
+Built as Megatron-LM 0.19's own ``pretrain_gpt.py`` is: a config container whose model config
+(``gpt_config_from_args``) Megatron's GPT model builder turns into model chunks, so the layer spec
+follows Megatron's rules (local or Transformer Engine, dense or MoE, MLA, MTP) and ``--spec``.
+Run directly, it installs our hooks (and, without CUDA, the CPU compatibility layer) through
+``routes.install_for_training``, the launcher's own call, and trains. Its functions are also a
+stock Megatron script's: imported elsewhere it installs nothing (see tests/stock_pretrain_gpt.py,
+run through ``python -m dualpipe_megatron.launch``; tests/legacy_pretrain_gpt.py passes a
+``model_provider`` instead, the older route 0.19 still accepts).
 
     torchrun --nproc-per-node 4 scripts/pretrain_gpt.py --pipeline-model-parallel-size 4 \\
         --pipeline-schedule dualpipev ... (any Megatron pretraining flags)
@@ -26,61 +31,11 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_tokenizer, pretrain
-from megatron.training.argument_utils import (
-    core_transformer_config_from_args, pretrain_cfg_container_from_args,
-)
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-
-
-def layer_spec(args, config, vp_stage: int | None):
-    """Local layers, or Transformer Engine's where it is installed and asked for. MoE models get
-    Megatron's decoder block spec, which follows ``--moe-layer-freq`` (dense and MoE layers) and
-    the config's ``multi_latent_attention``; dense ones are told it (``--multi-latent-attention``),
-    or they would silently get standard attention."""
-    use_te = args.transformer_impl == "transformer_engine"
-    if args.num_experts:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                          normalization=args.normalization, vp_stage=vp_stage)
-    attention = {"qk_layernorm": args.qk_layernorm, "multi_latent_attention": args.multi_latent_attention}
-    if not use_te:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        return get_gpt_layer_local_spec(**attention)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-    return get_gpt_layer_with_transformer_engine_spec(**attention)
-
-
-def mtp_spec(args, config, spec, vp_stage: int | None):
-    """The MTP block for the chunk that holds it (``--mtp-num-layers``), else None."""
-    if not args.mtp_num_layers:
-        return None
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=args.transformer_impl == "transformer_engine",
-                                  vp_stage=vp_stage)
-
-
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
-                   config=None, pg_collection=None) -> GPTModel:
-    args = get_args()
-    config = config or core_transformer_config_from_args(args)
-    spec = layer_spec(args, config, vp_stage)
-    return GPTModel(
-        config, spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-        post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent, vp_stage=vp_stage, pg_collection=pg_collection,
-        mtp_block_spec=mtp_spec(args, config, spec, vp_stage),
-    )
 
 
 def _broadcast_batch(batch: dict | None, args) -> dict:
@@ -154,31 +109,17 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 datasets_provider.is_distributed = True
 
 
-def limit_mock_corpus() -> None:
-    """``DUALPIPE_MOCK_DOCUMENTS=N`` keeps the first N documents of Megatron's mock corpus (100,000
-    random-length documents, ~200M tokens). Indexing all of it takes ~13 s per rank on CPU, the
-    larger part of a small test or demo job's start-up; such jobs need a few hundred samples."""
-    documents = os.environ.get("DUALPIPE_MOCK_DOCUMENTS")
-    if documents:
-        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
-
-        MockGPTLowLevelDataset.size = int(documents)
-
-
 def main() -> None:
-    """A stock Megatron pretraining entry; our flag exists once the hooks are installed."""
+    """A stock Megatron 0.19 pretraining entry: the model comes from a config container (Megatron's
+    GPT model builder, no ``model_provider``); our flag exists once the hooks are installed."""
     args = parse_and_validate_args()
-    limit_mock_corpus()
-    pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
-             forward_step, model_provider=model_provider)
+    pretrain(pretrain_cfg_container_from_args(args, gpt_config_from_args(args)), datasets_provider,
+             ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-    from dualpipe_megatron.routes import install_for_megatron
+    from dualpipe_megatron.routes import install_for_training
 
-    install_cpu_compat()  # a no-op where CUDA exists
-    install_cpu_compat(["dataset_helpers"], force=True)  # the wheel's built helpers, GPU too
-    install_for_megatron()
+    install_for_training()  # what python -m dualpipe_megatron.launch installs, through the same call
     main()

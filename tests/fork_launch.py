@@ -29,12 +29,13 @@ import functools
 import json
 import multiprocessing
 import os
+import runpy
 import sys
 import traceback
 from collections.abc import Callable
 from multiprocessing.managers import SyncManager
 
-from launcher import REPO, die_with_parent, rank_env, stop_group
+from launcher import PRETRAIN_GPT, REPO, die_with_parent, rank_env, stop_group
 
 
 def _fork(child: Callable[[], int]) -> int:
@@ -66,10 +67,8 @@ def _rank(rank: int, nproc: int, port: str, argv: list[str], write_queue: object
     filesystem_async._results_queue = write_queue  # what Megatron's first save would spawn
     sys.stdout.reconfigure(line_buffering=True)  # what a killed peer printed is not lost
     sys.stderr.reconfigure(line_buffering=True)
-    import pretrain_gpt
-
     try:
-        pretrain_gpt.main()
+        runpy.run_path(argv[0], run_name="__main__")  # as python -m dualpipe_megatron.launch runs it
         return 0
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
@@ -86,15 +85,13 @@ def _import_once() -> None:
     import pretrain_gpt  # noqa: F401 - torch, Megatron and the script, once for every rank
 
 
-def launch(nproc: int, port: str, args: list[str]) -> int:
+def launch(nproc: int, port: str, args: list[str], script: str = str(PRETRAIN_GPT)) -> int:
     """Install our hooks, fork the ranks and wait for them; the first failure's exit code."""
-    from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-    from dualpipe_megatron.routes import install_for_megatron
+    from dualpipe_megatron.routes import install_for_training
 
-    install_cpu_compat()
-    install_for_megatron()
+    install_for_training()
     manager, write_queues = _checkpoint_write_queues(nproc)
-    argv = [str(REPO / "scripts" / "pretrain_gpt.py"), *args]
+    argv = [script, *args]
     children = {}
     for rank in range(nproc):
         pid = _fork(functools.partial(_rank, rank, nproc, port, argv, write_queues[rank]))
@@ -133,7 +130,7 @@ def _job(request: dict) -> int:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     try:
-        return launch(request["nproc"], request["port"], request["args"])
+        return launch(request["nproc"], request["port"], request["args"], request["script"])
     except BaseException:  # noqa: BLE001 - reported in the job's log
         traceback.print_exc()
         return 1

@@ -42,6 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 FORK_LAUNCH = Path(__file__).with_name("fork_launch.py")
+PRETRAIN_GPT = REPO / "scripts" / "pretrain_gpt.py"
 STRICT_ENV = "DUALPIPE_NCCL_STRICT"  # dualpipe_megatron.runtime.strict.STRICT_ENV
 TAIL = 8000  # characters of each log a failure report quotes
 PR_SET_PDEATHSIG = 1
@@ -254,10 +255,13 @@ def _log_or_fail(name: str, code: int | str, cmd: list[str], log: Path) -> str:
     return text
 
 
-def torchrun(name: str, nproc: int, argv: list[str], env: dict[str, str], log: Path, timeout: float) -> str:
-    """``torchrun --nproc-per-node NPROC ARGV`` in the repository; returns its log (``name``
-    heads a failure's report)."""
-    cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", f"--master-port={free_port()}", *argv]
+def torchrun(name: str, nproc: int, argv: list[str], env: dict[str, str], log: Path, timeout: float,
+             python: str | None = None) -> str:
+    """``torchrun --nproc-per-node NPROC ARGV`` in the repository (``python -m
+    torch.distributed.run`` of another interpreter, whose ranks it starts too, if given); returns
+    its log (``name`` heads a failure's report)."""
+    launcher = [python, "-m", "torch.distributed.run"] if python else [str(TORCHRUN)]
+    cmd = [*launcher, f"--nproc-per-node={nproc}", f"--master-port={free_port()}", *argv]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)
@@ -302,11 +306,12 @@ class _ForkServer:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, nproc: int, args: list[str], env: dict[str, str], log: Path, timeout: float) -> int | str:
+    def run(self, nproc: int, args: list[str], env: dict[str, str], log: Path, timeout: float,
+            script: Path) -> int | str:
         """One job's exit code (a string when it was killed at ``timeout``)."""
         proc = self._start()
         request = {"nproc": nproc, "port": str(free_port()), "args": args, "env": env, "log": str(log),
-                   "cwd": str(REPO)}
+                   "cwd": str(REPO), "script": str(script)}
         proc.stdin.write((json.dumps(request) + "\n").encode())
         proc.stdin.flush()
         started = self._answer(IMPORT_TIMEOUT)
@@ -324,7 +329,8 @@ _FORK_SERVER = _ForkServer()  # one server process for the session: its import i
 
 
 def fork_pretrain(name: str, nproc: int, args: list[str], env: dict[str, str], log: Path,
-                  timeout: float) -> str:
-    """``scripts/pretrain_gpt.py ARGS`` on ``nproc`` forked ranks; returns its log."""
+                  timeout: float, script: Path = PRETRAIN_GPT) -> str:
+    """``SCRIPT ARGS`` (``scripts/pretrain_gpt.py`` unless told) on ``nproc`` forked ranks, run as
+    the launcher runs it; returns its log."""
     cmd = [sys.executable, str(FORK_LAUNCH), str(nproc), "PORT", *args]  # what the server runs
-    return _log_or_fail(name, _FORK_SERVER.run(nproc, args, env, log, timeout), cmd, log)
+    return _log_or_fail(name, _FORK_SERVER.run(nproc, args, env, log, timeout, script), cmd, log)

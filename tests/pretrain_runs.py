@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from launcher import REPO, fork_pretrain, job_env, torchrun
+from launcher import PRETRAIN_GPT, REPO, fork_pretrain, job_env, torchrun
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
@@ -29,10 +29,11 @@ TRAIN = "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1".sp
 
 
 def run(name: str, out: Path, nproc: int, args: list[str], command: list[str] | None = None,
-        timeout: float = 400, mock_data: bool = True) -> str:
+        timeout: float = 400, mock_data: bool = True, script: Path = PRETRAIN_GPT) -> str:
     """One job; returns its log (raises launcher.LaunchFailed with the log tail if it fails).
 
-    Our script goes through the fork server (one import for every rank of every job); another
+    ``script`` (our ``scripts/pretrain_gpt.py`` unless told) goes through the fork server (one
+    import for every rank of every job, the script then run as the launcher runs it); another
     entry point (``command``) through torchrun, as a user would start it. Without ``mock_data``
     the job reads what ``args`` name (``--data-path ...``)."""
     log = out / f"{name}.log"
@@ -41,7 +42,7 @@ def run(name: str, out: Path, nproc: int, args: list[str], command: list[str] | 
     job = [*MODEL, *CPU, *data, *args]
     if command:
         return torchrun(name, nproc, [*command, *job], env, log, timeout)
-    return fork_pretrain(name, nproc, job, env, log, timeout)
+    return fork_pretrain(name, nproc, job, env, log, timeout, script)
 
 
 def losses(log: str) -> dict[int, float]:

@@ -111,11 +111,24 @@ def test_guard_rejects_changed_or_missing_symbols(restore: None) -> None:
 
 
 def test_version_guard(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.7+abc")
+    """The imported megatron's own version decides; the metadata only where none is found."""
+    monkeypatch.setattr(patch_guard, "imported_megatron_version", lambda: "0.19.7+abc")
     assert guard.check_version() == "0.19.7+abc"
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.20.0")
+    monkeypatch.setattr(patch_guard, "imported_megatron_version", lambda: "0.20.0")
     with pytest.raises(RuntimeError, match="0.20.0 is not supported"):
         guard.check_version()
+    monkeypatch.setattr(patch_guard, "imported_megatron_version", lambda: None)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.3")
+    assert guard.check_version() == "0.19.3"
+
+
+def test_version_mismatch_names_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.2")
+    monkeypatch.setattr(patch_guard, "imported_megatron_version", lambda: "0.19.2+a4ca137")
+    assert patch_guard.megatron_version_mismatch() is None  # a git hash is not another release
+    monkeypatch.setattr(patch_guard, "imported_megatron_version", lambda: "0.19.9")
+    line = patch_guard.megatron_version_mismatch()
+    assert "megatron-core 0.19.2 is installed" in line and "against 0.19.9" in line, line
 
 
 def test_dataset_helpers_use_the_built_module_else_megatrons_build(

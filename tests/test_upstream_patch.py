@@ -48,6 +48,8 @@ RUNTIME_PATCHED = [
     "megatron.training.arguments.validate_args",
     "megatron.core.parallel_state.initialize_model_parallel",
     "megatron.training.training.get_model",
+    "megatron.training.models.dist_utils.build_virtual_pipeline_stages",
+    "megatron.training.models.build_virtual_pipeline_stages",
     "megatron.training.training.get_forward_backward_func",
     "megatron.training.checkpointing.check_checkpoint_args",
 ]
@@ -119,12 +121,18 @@ def train(out_dir: Path, mode: str, pythonpath: list[Path], flags: list[str]) ->
 
 @pytest.fixture(scope="module")
 def plugin_run(patched_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return train(tmp_path_factory.mktemp("plugin"), "auto", [patched_root, REPO], FLAGS + DUALPIPEV)
+    return train(tmp_path_factory.mktemp("plugin"), "launch", [patched_root, REPO], FLAGS + DUALPIPEV)
 
 
 @pytest.fixture(scope="module")
 def runtime_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return train(tmp_path_factory.mktemp("runtime"), "auto", [REPO], FLAGS + DUALPIPEV)
+    return train(tmp_path_factory.mktemp("runtime"), "launch", [REPO], FLAGS + DUALPIPEV)
+
+
+@pytest.fixture(scope="module")
+def script_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``scripts/pretrain_gpt.py`` run directly: it installs the hooks itself."""
+    return train(tmp_path_factory.mktemp("script"), "script", [REPO], FLAGS + DUALPIPEV)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +175,8 @@ def test_reports_that_run_into_each_other_are_both_read() -> None:
 def test_patch_adds_only_the_extension_point(patched_root: Path) -> None:
     changed = re.findall(r"^\+\+\+ b/(\S+)", PATCH.read_text(), re.MULTILINE)
     assert changed == ["megatron/training/arguments.py", "megatron/training/checkpointing.py",
-                       "megatron/training/initialize.py", "megatron/training/schedule_plugins.py",
-                       "megatron/training/training.py"]
+                       "megatron/training/initialize.py", "megatron/training/models/dist_utils.py",
+                       "megatron/training/schedule_plugins.py", "megatron/training/training.py"]
     assert (patched_root / PLUGINS_FILE).is_file()
     assert not (installed_megatron() / "training" / "schedule_plugins.py").exists()
 
@@ -199,7 +207,8 @@ def test_hooks_are_no_ops_without_a_plugin(patched_root: Path) -> None:
     assert plugins.add_arguments(parser) is parser
     assert plugins.model_chunk_pre_post_process(args, 1, True, False) == (True, False)
     assert plugins.finalize_model(args, model) is model
-    assert plugins.get_embedding_ranks(args) is None
+    assert plugins.get_embedding_ranks(args, None) is None
+    assert plugins.get_embedding_ranks(args, len) is len  # the script's own choice stays
     assert plugins.get_forward_backward_func(args, schedule_pg_collection=None) is None
     plugins.pre_validate_args(args)
     plugins.post_validate_args(args)
@@ -265,6 +274,23 @@ def test_plugin_losses_equal_runtime_patch_losses(plugin_run: dict[str, Any],
     assert sorted(runtime_run["eval_losses"]) == EVALUATIONS, runtime_run["log"][-4000:]
     assert plugin_run["losses"] == runtime_run["losses"]
     assert plugin_run["eval_losses"] == runtime_run["eval_losses"]
+
+
+def test_launcher_and_script_install_the_same(runtime_run: dict[str, Any], script_run: dict[str, Any]) -> None:
+    """One install routine for both entry points: the guard records the same patches (CPU compat's
+    groups, dataset_helpers among them, included) once installed and after the run, and the runs
+    log the same losses."""
+    launched, direct = runtime_run["reports"], script_run["reports"]
+    assert len(launched) == len(direct) == 2
+    for a, b in zip(launched, direct):
+        assert a["route"] == b["route"] == "runtime-patches"
+        assert a["installed_at_start"] == b["installed_at_start"]
+        assert a["installed"] == b["installed"]
+    groups = launched[0]["installed_at_start"]["CPU compat"]
+    assert any(label.endswith("datasets.utils.compile_helpers") for label in groups), groups
+    assert sorted(script_run["losses"]) == ITERATIONS, script_run["log"][-4000:]
+    assert script_run["losses"] == runtime_run["losses"]
+    assert script_run["eval_losses"] == runtime_run["eval_losses"]
 
 
 def test_patched_megatron_without_plugin_runs_1f1b(inert_run: dict[str, Any],

@@ -1,10 +1,11 @@
 """One rank of a test training run: ``upstream_driver.py MODE SCRIPT [megatron flags...]``.
 
-Installs the CPU layer, then enables ``--pipeline-schedule`` per MODE (``auto``:
-``routes.install_for_megatron()``; ``none``: nothing), runs the stock SCRIPT as
-``__main__`` and prints one ``UPSTREAM_REPORT {json}`` line saying which megatron ran, what the
-guard recorded as patched (``patch_guard.installed()``) once the route was installed and after
-the run, and which forward_backward_func the plugin supplied.
+MODE ``launch``: ``python -m dualpipe_megatron.launch SCRIPT ...`` in this process (its
+``launch.main``); ``script``: our ``scripts/pretrain_gpt.py`` run as ``__main__``, SCRIPT
+ignored (it installs the hooks itself); ``none``: the CPU layer only, then SCRIPT. Prints one
+``UPSTREAM_REPORT {json}`` line saying which megatron ran, what the guard recorded as patched
+(``patch_guard.installed()``) right after ``routes.install_for_training`` ran (empty for
+``none``) and after the run, and which forward_backward_func the plugin supplied.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import runpy
 import sys
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN_GPT = os.path.join(REPO, "scripts", "pretrain_gpt.py")
+sys.path.insert(0, REPO)
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat  # noqa: E402
-from dualpipe_megatron import patch_guard, routes  # noqa: E402
+from dualpipe_megatron import launch, patch_guard, routes  # noqa: E402
 from dualpipe_megatron.megatron import upstream_plugin  # noqa: E402
 
 
@@ -38,15 +41,27 @@ def _record_schedules(plugin: upstream_plugin.DualPipeSchedulePlugin, seen: list
 
 def main() -> None:
     mode, script, *flags = sys.argv[1:]
-    install_cpu_compat()
-    route, schedules = "none", []
-    if mode == "auto":
-        route = routes.install_for_megatron()
+    routes_taken, schedules, installed_at_start = [], [], {}
+    install_for_training = routes.install_for_training
+
+    def recording_install() -> str:
+        route = install_for_training()
+        routes_taken.append(route)
+        installed_at_start.update(patch_guard.installed())
         if route == "plugin":
             _record_schedules(upstream_plugin.PLUGIN, schedules)
-    installed_at_start = patch_guard.installed()
-    sys.argv = [script, *flags]
-    runpy.run_path(script, run_name="__main__")
+        return route
+
+    routes.install_for_training = recording_install  # what the launcher and our script call
+    if mode == "launch":
+        launch.main([script, *flags])
+    elif mode == "script":
+        sys.argv = [str(PRETRAIN_GPT), *flags]
+        runpy.run_path(str(PRETRAIN_GPT), run_name="__main__")
+    else:
+        install_cpu_compat()
+        sys.argv = [script, *flags]
+        runpy.run_path(script, run_name="__main__")
 
     import megatron.training.training as training
 
@@ -55,7 +70,7 @@ def main() -> None:
         plugin = importlib.import_module(upstream_plugin.EXTENSION_POINT).get_schedule_plugin()
         registered = None if plugin is None else type(plugin).__name__
     report = {
-        "route": route,
+        "route": routes_taken[0] if routes_taken else "none",
         "megatron_training": os.path.dirname(training.__file__),
         "get_model_file": inspect.getsourcefile(training.get_model),
         "installed_at_start": installed_at_start,

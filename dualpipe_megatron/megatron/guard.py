@@ -32,10 +32,11 @@ PRIVATE_CALLS: tuple[tuple[str, str, str], ...] = (
 
 
 def check_version() -> str:
-    """Return the megatron-core version, raising unless it is a 0.19.x release we support."""
+    """Return the version of the megatron that runs (a source checkout's own, where it shadows or
+    replaces a wheel), raising unless it is a 0.19.x release we support."""
     version = megatron_version()
     if version is None:
-        raise RuntimeError("megatron-core is not installed")
+        raise RuntimeError("megatron-core is not installed and no megatron source tree is importable")
     parts = version.split("+")[0].split(".")
     if tuple(int(p) for p in parts[:2] if p.isdigit()) != SUPPORTED_MEGATRON:
         raise RuntimeError(

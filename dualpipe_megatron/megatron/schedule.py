@@ -45,7 +45,9 @@ from .mtp import recording_mtp_metrics, replay_mtp_metrics
 from .predicates import stage_map_active
 from .relay import relay
 from .stages import MegatronHandlers, MegatronStep, MicrobatchData
-from .support import SCHEDULES, delayed_wgrad_problems, stage_map_for, step_problems
+from .support import (
+    SCHEDULES, UNBUILT, chunk_role_problems, delayed_wgrad_problems, stage_map_for, step_problems,
+)
 from .topology import StageMap
 
 
@@ -198,10 +200,9 @@ def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: n
               forward_only: bool, collect_non_loss_data: bool, adjust_tensor_shapes_fn: Callable | None,
               pg_collection: Any) -> StepPlan:
     """Check one call and decide how it runs; raises ``ValueError`` naming every unsupported option."""
-    if not options.job.prepared:
-        raise RuntimeError(f"--pipeline-schedule {options.schedule}: call prepare_model() once after "
-                           f"building the model")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not options.job.prepared:
+        raise RuntimeError(f"--pipeline-schedule {options.schedule}: {UNBUILT}")
     config = get_model_config(chunks[0])
     reasons = step_problems(config, collect_non_loss_data, adjust_tensor_shapes_fn)
     if reasons:
@@ -218,6 +219,9 @@ def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: n
             f"--pipeline-schedule {options.schedule} needs {stage_map.chunks} model chunks per "
             f"rank (virtual pipeline size {stage_map.chunks}), got {len(chunks)}"
         )
+    misplaced = chunk_role_problems(chunks, stage_map, rank)
+    if misplaced:
+        raise RuntimeError(f"--pipeline-schedule {options.schedule}: " + "; ".join(misplaced) + f". {UNBUILT}")
     overlap = overlap_enabled(options.moe_overlap, config, chunks, forward_step_func, forward_only)
     problems = delayed_wgrad_problems(config, sched, rank, overlap, options.defer_weight_grads, forward_only)
     if problems:

@@ -99,6 +99,34 @@ def step_problems(config: Any, collect_non_loss_data: bool, adjust_tensor_shapes
     return reasons
 
 
+# What a model built outside our building hooks lacks, said at its first step.
+UNBUILT = ("under our schedules each rank's two model chunks are the stage map's chunks (the "
+           "embedding and the loss where the schedule puts them, not where rank order would), "
+           "prepared once: build them through megatron.training's get_model (a model_provider) or "
+           "pretrain with a config container (megatron.training.models.dist_utils."
+           "build_virtual_pipeline_stages), with --pipeline-schedule enabled before Megatron parses "
+           "its arguments (python -m dualpipe_megatron.launch, or dualpipe_megatron.routes."
+           "install_for_training()); a model built by hand takes pre_process/post_process from "
+           "dualpipe_megatron.megatron.model.chunk_roles and is passed to prepare_model()")
+
+
+def chunk_role_problems(chunks: Sequence[nn.Module], stage_map: StageMap, rank: int) -> list[str]:
+    """Chunks whose ``pre_process``/``post_process`` differ from the stage map's (a model built
+    for looped placement), each named with what was expected."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    problems = []
+    for c, chunk in enumerate(chunks):
+        expected = (stage_map.is_first(rank, c), stage_map.is_last(rank, c))
+        found = tuple(bool(get_attr_wrapped_model(chunk, flag, allow_none=True))
+                      for flag in ("pre_process", "post_process"))
+        if found != expected:
+            problems.append(f"chunk {c} of pipeline rank {rank} (model stage {stage_map.stage(rank, c)}) has "
+                            f"pre_process={found[0]}, post_process={found[1]}; expected "
+                            f"pre_process={expected[0]}, post_process={expected[1]}")
+    return problems
+
+
 def _accepts_schedule_plan(func: Callable) -> bool:
     try:
         params = inspect.signature(func).parameters
@@ -164,6 +192,6 @@ def delayed_wgrad_problems(config: Any, sched: Schedule, rank: int, overlap: boo
 
 
 __all__ = [
-    "MEGATRON_SCHEDULES", "SCHEDULES", "argument_problems", "configuration_problems", "delayed_wgrad_problems",
-    "overlap_blockers", "stage_map_for", "step_problems",
+    "MEGATRON_SCHEDULES", "SCHEDULES", "UNBUILT", "argument_problems", "chunk_role_problems",
+    "configuration_problems", "delayed_wgrad_problems", "overlap_blockers", "stage_map_for", "step_problems",
 ]

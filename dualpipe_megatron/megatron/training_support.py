@@ -1,6 +1,6 @@
 """``--pipeline-schedule`` for ``megatron.training``: the flag, its validation and the hooks.
 
-:func:`install` patches, once and guarded, exactly these ten call-time lookups
+:func:`install` patches, once and guarded, exactly these twelve call-time lookups
 (``tests/test_guard.py`` compares this list with the guard's record):
 
 - ``arguments.add_megatron_arguments``: adds the flag and our options (and those of features
@@ -9,9 +9,14 @@
   interleaved checks (which assume looped placement), then sets virtual pipeline size 2 and
   our :class:`DualPipeLayout` so every layer keeps its global number;
 - ``parallel_state.initialize_model_parallel``: a first-rank-only embedding group (our ties
-  are local to one rank);
-- ``training.get_model``: builds each chunk with its true ``pre_process``/``post_process``,
-  then :func:`prepare_model` (tie, mirror copies) before the optimizer exists;
+  are local to one rank), also in place of a script's own ``get_embedding_ranks``;
+- ``training.get_model`` (the legacy route: a script passes ``model_provider``): builds each
+  chunk with its true ``pre_process``/``post_process``, then :func:`prepare_model` (tie, mirror
+  copies) on the wrapped chunks, before the optimizer exists;
+- ``models.dist_utils.build_virtual_pipeline_stages`` and ``models.build_virtual_pipeline_stages``
+  (its re-export; the config-container route of Megatron-LM 0.19's ``pretrain_gpt.py``, the GPT
+  and hybrid model builders): the same roles, then :func:`prepare_model` on the chunks before
+  Megatron wraps them;
 - ``training.get_forward_backward_func``: returns our schedule;
 - ``checkpointing.check_checkpoint_args``: refuses an optimizer state saved under another
   schedule in a layout that cannot move (the distributed optimizer's default format);
@@ -22,8 +27,8 @@
   :func:`install_predicates`): while a stage map is active, the MTP block is built, and the fp32
   output cast applied, at the chunks holding the last model stage.
 
-Building the model under our schedules adds, through :func:`prepare_model` (run by the
-``get_model`` hook), the weight-gradient deferral patches of
+Building the model under our schedules adds, through :func:`prepare_model` (run by either
+building hook), the weight-gradient deferral patches of
 ``tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.forward``/``backward``
 and ``TransformerLayerNode.backward_dw`` (inert outside a ``B`` with ``w:false``; see
 ``wgrad_megatron`` and ``wgrad_te``) and, for ``dualpipe``, replaces the direction-1 chunk's
@@ -68,6 +73,9 @@ _INITIALIZE_MODEL_PARALLEL = (
     "get_position_embedding_ranks=None, create_gloo_process_groups=True, "
     "high_priority_stream_groups=None, sharp_enabled_group=None, rank_offset=0, "
     "local_world_size=None)"
+)
+_BUILD_VIRTUAL_PIPELINE_STAGES = (
+    "(build_model_func, pg_collection, vp_size, model_type=<ModelType.encoder_or_decoder: 1>)"
 )
 
 # The job's schedule options, set by validate_args (one training job per process).
@@ -267,9 +275,16 @@ def _validate_args(original: Callable, args: argparse.Namespace, defaults: dict 
 
 
 def _initialize_model_parallel(original: Callable, *args: Any, **kwargs: Any) -> Any:
-    if _state["options"] is not None and kwargs.get("get_embedding_ranks") is None:
-        kwargs["get_embedding_ranks"] = embedding_ranks
+    # Under our schedules the script's own get_embedding_ranks (Megatron-LM's pretrain_gpt.py
+    # passes one) assumes looped placement: its [first, last] group is replaced too.
+    kwargs["get_embedding_ranks"] = job_embedding_ranks(kwargs.get("get_embedding_ranks"))
     return original(*args, **kwargs)
+
+
+def job_embedding_ranks(script_choice: Callable | None) -> Callable | None:
+    """``get_embedding_ranks`` for this job: ours under dualpipe/dualpipev (ties are local to
+    one rank), else the script's choice (None: Megatron's default)."""
+    return script_choice if _state["options"] is None else embedding_ranks
 
 
 def activate_job_stage_map(options: DualPipeOptions, pipeline_size: int):
@@ -288,21 +303,48 @@ def pipeline_position() -> tuple[int, int]:
             parallel_state.get_pipeline_model_parallel_world_size())
 
 
+def chunk_pre_post_process(vp_stage: int, pipeline_rank: int, pipeline_size: int) -> tuple[bool, bool]:
+    """(pre_process, post_process) of chunk ``vp_stage`` under the active schedule's stage map,
+    which becomes the predicates' answer from here on (model building, data loading)."""
+    role = chunk_roles(activate_job_stage_map(_state["options"], pipeline_size), pipeline_rank)[vp_stage]
+    return role.pre_process, role.post_process
+
+
+def _with_chunk_roles(build_chunk: Callable, pipeline_rank: int, pipeline_size: int) -> Callable:
+    """``build_chunk`` (a model provider or a builder's ``build_model``) called with our stage
+    map's ``pre_process``/``post_process`` instead of the rank-topology ones it is passed."""
+    @functools.wraps(build_chunk)
+    def build(*args: Any, vp_stage: int, **kwargs: Any) -> Any:
+        pre, post = chunk_pre_post_process(vp_stage, pipeline_rank, pipeline_size)
+        return build_chunk(*args, **{**kwargs, "pre_process": pre, "post_process": post, "vp_stage": vp_stage})
+    return build
+
+
 def _get_model(original: Callable, model_provider_func: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The legacy route (a script passes ``model_provider``): chunks with our roles, prepared
+    after Megatron wrapped them."""
     options = _state["options"]
     if options is None:
         return original(model_provider_func, *args, **kwargs)
     rank, pp = pipeline_position()
-    roles = chunk_roles(activate_job_stage_map(options, pp), rank)
+    model = original(_with_chunk_roles(model_provider_func, rank, pp), *args, **kwargs)
+    prepare_model(model, options, rank, pp)
+    return model
 
-    @functools.wraps(model_provider_func)
-    def provider(*, vp_stage: int, **p_kwargs: Any) -> Any:
-        # get_model passes pre/post from rank topology; ours follow the stage map.
-        role = roles[vp_stage]
-        p_kwargs.update(pre_process=role.pre_process, post_process=role.post_process)
-        return model_provider_func(vp_stage=vp_stage, **p_kwargs)
 
-    model = original(provider, *args, **kwargs)
+def _build_virtual_pipeline_stages(original: Callable, build_model_func: Callable, pg_collection: Any,
+                                   vp_size: int | None, *args: Any, **kwargs: Any) -> Any:
+    """The config-container route (Megatron-LM 0.19's pretrain_gpt.py, the GPT and hybrid
+    builders): chunks with our roles, prepared before Megatron wraps them."""
+    options = _state["options"]
+    if options is None:
+        return original(build_model_func, pg_collection, vp_size, *args, **kwargs)
+    if vp_size != 2:
+        raise ValueError(f"--pipeline-schedule {options.schedule}: the model config's virtual pipeline size "
+                         f"is {vp_size}, expected 2 (set by our argument validation; build the config "
+                         f"after parse_and_validate_args)")
+    rank, pp = pg_collection.pp.rank(), pg_collection.pp.size()
+    model = original(_with_chunk_roles(build_model_func, rank, pp), pg_collection, vp_size, *args, **kwargs)
     prepare_model(model, options, rank, pp)
     return model
 
@@ -342,6 +384,8 @@ def install() -> None:
     check_version()
     from megatron.core import parallel_state
     from megatron.training import arguments, checkpointing, training
+    from megatron.training import models
+    from megatron.training.models import dist_utils
 
     install_predicates()
     original_add = arguments.add_megatron_arguments
@@ -355,6 +399,11 @@ def install() -> None:
         (training, "get_model", _get_model,
          "(model_provider_func, model_type=<ModelType.encoder_or_decoder: 1>, wrap_with_ddp=True, "
          "config=None, pg_collection=None)"),
+        # The builders call it through dist_utils; the package re-exports it for other callers.
+        (dist_utils, "build_virtual_pipeline_stages", _build_virtual_pipeline_stages,
+         _BUILD_VIRTUAL_PIPELINE_STAGES),
+        (models, "build_virtual_pipeline_stages", _build_virtual_pipeline_stages,
+         _BUILD_VIRTUAL_PIPELINE_STAGES),
         (training, "get_forward_backward_func", _get_forward_backward_func,
          "(pp_size=None, vp_size=None, schedule_pg_collection=None)"),
         (checkpointing, "check_checkpoint_args", _check_checkpoint_args,
@@ -369,5 +418,5 @@ def uninstall() -> None:
 
 
 __all__ = ["CHOICES", "PATCHES", "activate_job_stage_map", "active_job", "active_options", "add_arguments",
-           "check_checkpoint_schedule", "install", "pipeline_position", "post_validate",
-           "pre_validate", "register_arguments", "uninstall"]
+           "check_checkpoint_schedule", "chunk_pre_post_process", "install", "job_embedding_ranks",
+           "pipeline_position", "post_validate", "pre_validate", "register_arguments", "uninstall"]

@@ -21,10 +21,10 @@ import importlib.util
 from typing import Any, Callable
 
 from .guard import check_version
-from .model import chunk_roles, embedding_ranks, prepare_model
+from .model import prepare_model
 from .schedule import make_forward_backward_func
 from .training_support import (
-    activate_job_stage_map, active_options, add_arguments, check_checkpoint_schedule,
+    active_options, add_arguments, check_checkpoint_schedule, chunk_pre_post_process, job_embedding_ranks,
     pipeline_position, post_validate, pre_validate,
 )
 
@@ -44,17 +44,14 @@ class DualPipeSchedulePlugin:
     def post_validate_args(self, args: argparse.Namespace) -> None:
         post_validate(args)
 
-    def get_embedding_ranks(self, args: argparse.Namespace) -> Callable | None:
-        return None if active_options() is None else embedding_ranks
+    def get_embedding_ranks(self, args: argparse.Namespace, script_choice: Callable | None) -> Callable | None:
+        return job_embedding_ranks(script_choice)
 
     def model_chunk_pre_post_process(self, args: argparse.Namespace, vp_stage: int | None,
                                      pre_process: bool, post_process: bool) -> tuple[bool, bool]:
-        options = active_options()
-        if options is None:
+        if active_options() is None:
             return pre_process, post_process
-        rank, size = pipeline_position()
-        role = chunk_roles(activate_job_stage_map(options, size), rank)[vp_stage]
-        return role.pre_process, role.post_process
+        return chunk_pre_post_process(vp_stage, *pipeline_position())
 
     def finalize_model(self, args: argparse.Namespace, model: list[Any]) -> list[Any]:
         options = active_options()
