@@ -46,14 +46,19 @@ TRAIN = ("--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1 "
 FRESH = ["--no-load-optim"]  # from the PP=1 start: its weights only
 DENSE = ["--position-embedding-type", "learned_absolute"]
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2 "
-       "--disable-bias-linear --position-embedding-type rope --expert-model-parallel-size 2").split()
+       "--disable-bias-linear --position-embedding-type rope").split()
+EP2 = ["--expert-model-parallel-size", "2"]  # not in the PP=1 start, which runs on one rank
 # Megatron-LM's forward_step builds the schedule plans our F&B overlap runs only under Megatron's
 # EP-overlap flag, which it allows in bf16/fp16 only; 1F1B without a virtual pipeline refuses the
 # flag, and runs the same math without it.
 BF16 = ["--bf16"]
 OVERLAP = ["--overlap-moe-expert-parallel-comm"]
 EPLB = "--eplb-interval 2 --eplb-window 4 --eplb-threshold 0 --eplb-redundant-experts 2".split()
-MTP = ["--mtp-num-layers", "1"]
+# MTP refuses learned positions; DeepSeek-V3 unties the output layer, and Megatron 0.19 cannot load
+# a tied output layer beside MTP at PP > 1 under its own 1F1B.
+MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"]
+PASSED = {False: "dualpipev and dualpipe = 1f1b, lm loss of iterations 2-7 to 1e-5",
+          True: f"dualpipev and dualpipe = 1f1b, saved at {SAVE_AT}, resumed: lm loss of 2-7 to 1e-5"}
 OVERLAP_ON = re.compile(r"DualPipe MoE F&B overlap on: (\d+) of (\d+) FB ops")
 EPLB_MOVED = re.compile(r"^EPLB iteration \d+: moved (\d+) expert", re.MULTILINE)
 
@@ -80,9 +85,9 @@ def p(size: int) -> list[str]:
 CASES = (
     Case("dense_p2", "dense", DENSE, 2, p(2)),
     Case("dense_p4", "dense", DENSE, 4, p(4)),
-    Case("moe_ep2_p2_overlap", "moe", [*MOE, *BF16], 4, p(2), ours=OVERLAP, check="overlap"),
-    Case("mtp1_p2", "mtp", [*DENSE, *MTP], 2, p(2)),
-    Case("eplb_redundant_ep2_p2", "moe", [*MOE, *BF16], 4, p(2), ours=EPLB, check="eplb"),
+    Case("moe_ep2_p2_overlap", "moe", [*MOE, *BF16], 4, [*EP2, *p(2)], ours=OVERLAP, check="overlap"),
+    Case("mtp1_p2", "mtp", MTP, 2, p(2)),
+    Case("eplb_redundant_ep2_p2", "moe", [*MOE, *BF16], 4, [*EP2, *p(2)], ours=[*OVERLAP, *EPLB], check="eplb"),
     Case("dense_p2_save_resume", "dense", DENSE, 2, p(2), resume=True),
 )
 
@@ -112,7 +117,8 @@ class Runner:
                                   timeout=RUN_TIMEOUT).returncode
         text = log.read_text(errors="replace")
         if code != 0:
-            raise RuntimeError(f"{name}: exit code {code}, log {log}:\n{text[-3000:]}")
+            raise RuntimeError(f"{name}: exit code {code}, log {log}; its errors:\n"
+                               + "\n".join(line for line in text.splitlines() if "Error" in line)[-3000:])
         return text
 
     def init(self, name: str, model: list[str]) -> Path:
@@ -159,15 +165,17 @@ def check_case(runner: Runner, case: Case) -> list[str]:
         ours = [*start, "--pipeline-schedule", schedule, *case.ours]
         if case.resume:
             saved = runner.out / f"{case.name}_{schedule}_ckpt"
-            runner.run(f"{case.name}_{schedule}_save", case.ranks,
-                       [*ours, "--save", str(saved), "--save-interval", str(SAVE_AT), "--exit-interval", str(SAVE_AT)])
+            before = runner.run(f"{case.name}_{schedule}_save", case.ranks,
+                                [*ours, "--save", str(saved), "--save-interval", str(SAVE_AT),
+                                 "--exit-interval", str(SAVE_AT)])
             resumed = [*case.model, *TRAIN, *case.parallel, "--pipeline-schedule", schedule, "--load", str(saved)]
             log = runner.run(f"{case.name}_{schedule}_resumed", case.ranks, resumed)
             # Megatron's first log after a resume averages it with the next iteration.
             want = {SAVE_AT + 1: reference[SAVE_AT + 1],
                     SAVE_AT + 2: (reference[SAVE_AT + 1] + reference[SAVE_AT + 2]) / 2,
                     **{i: reference[i] for i in range(SAVE_AT + 3, ITERATIONS + 1)}}
-            found = differences(want, losses(log), range(SAVE_AT + 1, ITERATIONS + 1))
+            found = (differences(reference, losses(before), range(2, SAVE_AT + 1))
+                     + differences(want, losses(log), range(SAVE_AT + 1, ITERATIONS + 1)))
         else:
             log = runner.run(f"{case.name}_{schedule}", case.ranks, ours)
             found = differences(reference, losses(log), range(2, ITERATIONS + 1)) + log_checks(case.check, log)
@@ -196,23 +204,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown case(s) {unknown}")
     out = args.out or Path(tempfile.mkdtemp(prefix="check_megatron_lm_"))
     out.mkdir(parents=True, exist_ok=True)
-    runner = Runner(copy_scripts(args.megatron_lm.resolve(), Path(tempfile.mkdtemp(prefix="megatron_lm_scripts_"))),
-                    out.resolve())
     print(f"Megatron-LM scripts from {args.megatron_lm} ({', '.join(SCRIPT_FILES)}), logs in {out}", flush=True)
     results = []
-    for case in CASES:
-        if only and case.name not in only:
-            continue
-        began = time.monotonic()
-        try:
-            problems = check_case(runner, case)
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            problems = [str(exc)]
-        results.append((case.name, problems, time.monotonic() - began))
-        status = "PASS" if not problems else "FAIL"
-        print(f"{case.name:24s} {status}  {results[-1][2]:5.0f} s  "
-              f"{'dualpipev and dualpipe = 1f1b, lm loss of iterations 2-7 to 1e-5' if not problems else problems[0][:2000]}",
-              flush=True)
+    with tempfile.TemporaryDirectory(prefix="megatron_lm_scripts_") as scripts:
+        runner = Runner(copy_scripts(args.megatron_lm.resolve(), Path(scripts)), out.resolve())
+        for case in CASES:
+            if only and case.name not in only:
+                continue
+            began = time.monotonic()
+            try:
+                problems = check_case(runner, case)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                problems = [str(exc)]
+            results.append((case.name, problems, time.monotonic() - began))
+            said = problems[0] if problems else PASSED[case.resume]
+            print(f"{case.name:24s} {'FAIL' if problems else 'PASS'}  {results[-1][2]:5.0f} s  {said}", flush=True)
     failed = [name for name, problems, _ in results if problems]
     print(f"\nsummary: {len(results) - len(failed)} of {len(results)} cases passed"
           + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)

@@ -17,6 +17,10 @@
 #                  op-order search shared by the two ranks (gathers over NCCL), against one process
 #   megatron_pp2   scripts/pretrain_gpt.py --pipeline-schedule dualpipev, PP=2, tiny GPT, 2 ranks
 #                  on cuda:0, 3 iterations, mock data, local transformer implementation
+#   megatron_lm_pp2
+#                  Megatron-LM 0.19's own pretrain_gpt.py (from $MEGATRON_LM_DIR, default .megatron_lm/:
+#                  the fetched core_r0.19.0 files, carried, never committed) through
+#                  python -m dualpipe_megatron.launch, as megatron_pp2; SKIP without the files
 #   megatron_eplb  the same script, an MoE GPT at EP=2 with --eplb-interval 1 and 2 redundant
 #                  experts: slots re-placed, replicas checked bitwise against owners every step
 #   megatron_budget
@@ -325,9 +329,10 @@ pretrain_on_gpu0() {
     shift 2
     if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); fi
     OMP_NUM_THREADS=1 run_limited "$MEGATRON_TIMEOUT" "$log" "$PY" -m torch.distributed.run --standalone \
-        --nproc-per-node "$nproc" "${PIN_GPU0[@]}" scripts/pretrain_gpt.py "${NO_FUSIONS[@]}" "${extra[@]}" \
+        --nproc-per-node "$nproc" "${PIN_GPU0[@]}" "${PRETRAIN_SCRIPT[@]}" "${NO_FUSIONS[@]}" "${extra[@]}" \
         "${DATA[@]}" "${TRAIN[@]}" "$@"
 }
+PRETRAIN_SCRIPT=(scripts/pretrain_gpt.py)  # what pretrain_on_gpu0 runs; megatron_lm_pp2 sets another
 # pretrain_two_ranks SECTION LOG ARGS...: pretrain_on_gpu0 with two ranks, setting WHAT; records SKIP
 # and returns $SKIPPED when it cannot run.
 pretrain_two_ranks() {
@@ -357,6 +362,39 @@ if [[ $rc != "$SKIPPED" ]]; then
                  "Makefile); scripts/pretrain_gpt.py replaces it only when CUDA is absent (cpu_compat)"
         fi
         record megatron_pp2 FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 lines with lm and mtp_1 loss, $errors tracebacks"
+    fi
+fi
+
+# -- Megatron-LM's own pretrain_gpt.py through the launcher ------------------------------------------
+header "megatron_lm_pp2"
+# Megatron-LM 0.19's script (a config container, no model_provider) with its builder modules, from
+# $MEGATRON_LM_DIR (default .megatron_lm/, ignored by git: carry it to the device), copied into the
+# scratch folder so that the wheel's megatron, not a checkout's, is imported; the same model and
+# parallelism as megatron_pp2, through python -m dualpipe_megatron.launch.
+MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$REPO/.megatron_lm}
+missing_mlm=""
+for f in pretrain_gpt.py gpt_builders.py model_provider.py; do
+    [[ -f "$MEGATRON_LM_DIR/$f" ]] || missing_mlm+=" $f"
+done
+if [[ -n "$missing_mlm" ]] && selected megatron_lm_pp2; then
+    record megatron_lm_pp2 SKIP "no Megatron-LM scripts in $MEGATRON_LM_DIR (missing:$missing_mlm; fetch branch core_r0.19.0)"
+else
+    mkdir -p "$SCRATCH/megatron_lm"
+    [[ -z "$missing_mlm" ]] && cp "$MEGATRON_LM_DIR"/{pretrain_gpt.py,gpt_builders.py,model_provider.py} "$SCRATCH/megatron_lm/"
+    log="$OUT_DIR/megatron_lm_pp2.log"
+    PRETRAIN_SCRIPT=(-m dualpipe_megatron.launch "$SCRATCH/megatron_lm/pretrain_gpt.py")
+    pretrain_two_ranks megatron_lm_pp2 "$log" "${MODEL[@]}" "${PARALLEL[@]}"
+    rc=$?
+    PRETRAIN_SCRIPT=(scripts/pretrain_gpt.py)
+    if [[ $rc != "$SKIPPED" ]]; then
+        loss_lines=$(grep -cE "iteration +[0-9]+/ +3 \|.*lm loss: .*mtp_1 loss: " "$log")
+        errors=$(grep -c "Traceback" "$log")
+        if [[ $rc == 0 && $loss_lines == 3 && $errors == 0 ]]; then
+            record megatron_lm_pp2 PASS "$WHAT: Megatron-LM's pretrain_gpt.py, 3 iterations logged lm loss and mtp_1 loss"
+        else
+            show_tail "$log" 60
+            record megatron_lm_pp2 FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 lines with lm and mtp_1 loss, $errors tracebacks"
+        fi
     fi
 fi
 

@@ -26,7 +26,6 @@ another loss: MLA was really built.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import types
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from launcher import LaunchFailed
-from pretrain_runs import CPU, MODEL, REPO, TRAIN, grad_norms, losses, run
+from pretrain_runs import CPU, MODEL, TRAIN, grad_norms, losses, run
 
 MLA = ("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
        "--qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm").split()
@@ -192,16 +191,18 @@ def test_mla_gets_its_softmax_scale_and_only_mla_is_replaced(megatron_world: Non
 
 
 def test_script_specs_build_mla_when_asked(megatron_world: None) -> None:
+    """scripts/pretrain_gpt.py builds through Megatron's GPT model builder (a config container):
+    the layer spec it gets follows --multi-latent-attention, dense and MoE, as
+    Megatron-LM's own script would get it."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import default_layer_spec
 
-    spec_of = importlib.util.spec_from_file_location("pretrain_gpt_script", REPO / "scripts" / "pretrain_gpt.py")
-    script = importlib.util.module_from_spec(spec_of)
-    spec_of.loader.exec_module(script)
     moe = ["--num-experts", "2", "--moe-layer-freq", "[0,1,1,1]"]
     for extra in ([], moe):
         for asked in (False, True):
             args = _megatron_args([*MLA, *extra] if asked else extra)
-            spec = script.layer_spec(args, _config(args), None)
+            spec = default_layer_spec(gpt_config_from_args(args), None)
             layers = getattr(spec, "layer_specs", [spec])
             assert [layer.submodules.self_attention.module is MLASelfAttention for layer in layers] == \
                 [asked] * len(layers), (extra, asked)

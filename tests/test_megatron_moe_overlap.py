@@ -113,3 +113,21 @@ def test_overlap_needs_forward_step_with_schedule_plans_and_plannable_chunks() -
     assert any("return_schedule_plan" in r
                for r in overlap_blockers(config, [_Plannable()], lambda it, model: None))
     assert any("build_schedule_plan" in r for r in overlap_blockers(config, [torch.nn.Linear(1, 1)], _forward_step))
+
+
+def test_a_forward_step_refusing_plans_says_which_flag_to_pass() -> None:
+    """Megatron-LM's pretrain_gpt.py asserts --overlap-moe-expert-parallel-comm when asked for a
+    schedule plan: the overlap turns that into an error naming the flags; other assertions stay."""
+    from dualpipe_megatron.megatron.moe_overlap import asking_for_plans
+
+    def refusing(*_: object, return_schedule_plan: bool = False) -> None:
+        assert not return_schedule_plan, "overlap_moe_expert_parallel_comm must be enabled to return the schedule plan"
+
+    def failing(*_: object, **__: object) -> None:
+        assert False, "something else"
+
+    assert asking_for_plans(refusing)(None, None) is None
+    with pytest.raises(RuntimeError, match="--overlap-moe-expert-parallel-comm .*--no-dualpipe-moe-overlap"):
+        asking_for_plans(refusing)(None, None, return_schedule_plan=True)
+    with pytest.raises(AssertionError, match="something else"):
+        asking_for_plans(failing)()

@@ -1,5 +1,10 @@
 """``--pipeline-schedule`` through ``megatron.training.pretrain`` (4 CPU processes, gloo, mock data).
 
+``scripts/pretrain_gpt.py`` builds its model through a config container, as Megatron-LM 0.19's
+own script does (the builder route, ``build_virtual_pipeline_stages``); the P=2 x DP=2 runs are
+repeated under both schedules through ``tests/legacy_pretrain_gpt.py``, which passes a
+``model_provider`` (the legacy route, ``training.get_model``).
+
 All runs start from one PP=1 checkpoint and train iterations 2..7. Under dualpipev and dualpipe
 the logged ``lm loss`` must equal 1F1B's at every iteration (1e-5 relative), at P=4 and at
 P=2 x DP=2 with the distributed optimizer and overlapped grad reduce (DualPipeV there with the
@@ -26,6 +31,7 @@ RTOL = 1e-5
 P4 = ["--pipeline-model-parallel-size", "4"]
 P2DP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"]
 LAUNCH = ["-m", "dualpipe_megatron.launch", str(REPO / "tests" / "stock_pretrain_gpt.py")]
+LEGACY_SCRIPT = REPO / "tests" / "legacy_pretrain_gpt.py"
 
 
 EVAL_FLAGS = ["--eval-iters", "1", "--eval-interval", "3"]
@@ -63,6 +69,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             log = run(f"{name}_p2dp2", out, 4, [*start, *P2DP2, "--pipeline-schedule", name,
                                                 *OPTIMIZED.get(name, [])])
             got[f"{name}_p2dp2"], got[f"{name}_p2dp2_log"] = losses(log), log
+        for name in ("dualpipev", "dualpipe"):  # the legacy route: a model_provider, training.get_model
+            log = run(f"legacy_{name}_p2dp2", out, 4, [*start, *P2DP2, "--pipeline-schedule", name],
+                      script=LEGACY_SCRIPT)
+            got[f"legacy_{name}_p2dp2"] = losses(log)
         resume = [*TRAIN, *ITERS, "--no-load-rng"]
         for name, ckpt, args in (("v_p4_to_1f1b_p2dp2", "dualpipev_p4",
                                   ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),):
@@ -92,6 +102,13 @@ def test_p4_matches_1f1b(jobs: dict, schedule: str) -> None:
 @pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
 def test_p2_dp2_distributed_optimizer_overlap_matches_1f1b(jobs: dict, schedule: str) -> None:
     _same(jobs["1f1b_p2dp2"], jobs[f"{schedule}_p2dp2"], range(2, 8))
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_legacy_model_provider_route_matches_1f1b(jobs: dict, schedule: str) -> None:
+    """tests/legacy_pretrain_gpt.py passes a model_provider (training.get_model builds the chunks,
+    prepared after wrapping); scripts/pretrain_gpt.py's 1F1B built through the config container."""
+    _same(jobs["1f1b_p2dp2"], jobs[f"legacy_{schedule}_p2dp2"], range(2, 8))
 
 
 def test_optimized_order_ran(jobs: dict) -> None:

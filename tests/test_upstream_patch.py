@@ -1,11 +1,13 @@
 """patches/megatron-core-0.19.2-schedule-extension-point.patch, applied to a copy of the
 installed ``megatron`` package (never in place) and trained through.
 
-Three real 2-rank CPU runs of a stock GPT script (tests/stock_pretrain_gpt.py) under
-tests/upstream_driver.py: DualPipeV through the registered plugin on the patched copy; the same
-run through ``training_support``'s runtime patches on the unpatched install (training and
-evaluation losses must match to the printed digit); and the patched copy with no plugin (plain
-1F1B: the extension point must be inert).
+Real 2-rank CPU runs of a stock GPT script (tests/stock_pretrain_gpt.py, which builds through a
+config container, so through the patch's ``build_virtual_pipeline_stages`` hook) under
+tests/upstream_driver.py: DualPipeV through the launcher with the registered plugin on the patched
+copy; the same run through the launcher's runtime patches on the unpatched install (training and
+evaluation losses must match to the printed digit); the patched copy with no plugin (plain 1F1B:
+the extension point must be inert); and ``scripts/pretrain_gpt.py`` started directly, whose
+guard record and losses must equal the launcher's (one install routine for both).
 """
 
 from __future__ import annotations

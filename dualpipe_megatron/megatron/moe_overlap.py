@@ -45,6 +45,7 @@ and the plans run in program order).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -130,6 +131,24 @@ def announce_overlap(overlapped: int, deferred: int, rank_ops: Sequence[Op], lay
           f"closures" + (f"; {layers}" if layers else ""), flush=True)
 
 
+def asking_for_plans(forward_step_func: Callable) -> Callable:
+    """The forward step as the plans call it. A script that returns schedule plans only under
+    Megatron's ``--overlap-moe-expert-parallel-comm`` (Megatron-LM's ``pretrain_gpt.py`` asserts
+    it) fails saying what to pass, instead of with its bare assertion."""
+    @functools.wraps(forward_step_func)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward_step_func(*args, **kwargs)
+        except AssertionError as exc:
+            if "overlap_moe_expert_parallel_comm" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"the MoE F&B overlap asks the forward step for schedule plans, and it refuses ({exc}): "
+                f"pass --overlap-moe-expert-parallel-comm (Megatron allows it with --bf16 or --fp16), or "
+                f"--no-dualpipe-moe-overlap to run F then B") from exc
+    return forward_step
+
+
 class MoEOverlapHandlers(MegatronHandlers):
     """Handlers whose training forwards are Megatron schedule plans: every F, B and FB op is one
     ``combined_forward_backward_step`` (an FB op of any two of this rank's stages overlaps)."""
@@ -176,13 +195,13 @@ class MoEOverlapHandlers(MegatronHandlers):
         kwargs.update(b_args)
         if key is None:
             combined_forward_backward_step(
-                step.forward_step_func, None, None, step.num_microbatches, None, [], config=config,
+                asking_for_plans(step.forward_step_func), None, None, step.num_microbatches, None, [], config=config,
                 **kwargs)
             return [], None
         chunk, reader, global_m, first = self.forward_args(key)
         with running_chunk(chunk):
             output, num_tokens, _ = combined_forward_backward_step(
-                step.forward_step_func, reader, step.model[chunk],
+                asking_for_plans(step.forward_step_func), reader, step.model[chunk],
                 step.num_microbatches, f_inputs[0] if f_inputs else None,
                 step.store_for(key.d, key.m), config=config, f_model_chunk_id=chunk,
                 is_first_microbatch=first, current_microbatch=global_m, **kwargs,
@@ -194,5 +213,5 @@ class MoEOverlapHandlers(MegatronHandlers):
 
 
 __all__ = [
-    "MoEOverlapHandlers", "announce_overlap", "describe_layers", "layers_to_announce", "overlap_enabled",
+    "MoEOverlapHandlers", "announce_overlap", "asking_for_plans", "describe_layers", "layers_to_announce", "overlap_enabled",
 ]
