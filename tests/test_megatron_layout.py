@@ -11,7 +11,7 @@ from megatron.core.transformer.enums import LayerType
 
 from dualpipe_megatron.megatron.model import chunk_roles, check_configuration, dualpipe_layout
 from dualpipe_megatron.megatron.predicates import running_chunk, stage_map_active
-from dualpipe_megatron.megatron.support import stage_map_for, step_problems
+from dualpipe_megatron.megatron.support import UNBUILT, chunk_role_problems, stage_map_for, step_problems
 
 
 def test_dualpipev_roles_put_embedding_and_loss_on_rank_0() -> None:
@@ -31,6 +31,25 @@ def test_dualpipe_roles_mirror_the_model() -> None:
     assert stages == [[0, 3], [1, 2], [2, 1], [3, 0]]
     ends = [[(x.pre_process, x.post_process) for x in chunk_roles(stage_map, r)] for r in (0, 3)]
     assert ends == [[(True, False), (False, True)], [(False, True), (True, False)]]
+
+
+def test_chunks_built_for_looped_placement_are_named_with_what_was_expected() -> None:
+    """Megatron's own rule (pre on rank 0 chunk 0, post on the last rank's last chunk) where the
+    V wants both ends on rank 0: each wrong chunk is named with the flags it should have had."""
+    from torch import nn
+
+    def chunk(pre: bool, post: bool) -> nn.Module:
+        module = nn.Module()
+        module.pre_process, module.post_process = pre, post
+        return module
+
+    stage_map = stage_map_for("dualpipev", 2)
+    assert chunk_role_problems([chunk(True, False), chunk(False, True)], stage_map, 0) == []
+    looped = chunk_role_problems([chunk(True, False), chunk(False, False)], stage_map, 0)
+    assert looped == ["chunk 1 of pipeline rank 0 (model stage 3) has pre_process=False, post_process=False; "
+                      "expected pre_process=False, post_process=True"]
+    assert len(chunk_role_problems([chunk(False, False), chunk(False, True)], stage_map, 1)) == 1
+    assert "build_virtual_pipeline_stages" in UNBUILT and "prepare_model" in UNBUILT
 
 
 def test_even_layout_numbers_layers_in_model_order() -> None:
