@@ -99,6 +99,15 @@ def _params(chunk: nn.Module) -> list[nn.Parameter]:
     return [p for _, p in sorted(chunk.named_parameters(), key=lambda kv: kv[0])]
 
 
+def _on_comm_device(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor``, or a CUDA copy where ``group`` is NCCL's and it is not on a GPU: the builder
+    route prepares chunks before Megatron moves them to the GPU (still on the CPU under
+    ``--use-cpu-initialization``), and NCCL moves only CUDA tensors."""
+    if not tensor.is_cuda and dist.get_backend(group) == "nccl":
+        return tensor.cuda()
+    return tensor
+
+
 @torch.no_grad()
 def broadcast_mirrored_params(model: Sequence[nn.Module], stage_map: StageMap, rank: int,
                               group: dist.ProcessGroup) -> None:
@@ -107,7 +116,7 @@ def broadcast_mirrored_params(model: Sequence[nn.Module], stage_map: StageMap, r
     for c in _stage_chunks(stage_map, rank):
         src_rank = rank if c == 0 else stage_map.ranks - 1 - rank
         params = _params(model[c])
-        flat = _flatten_dense_tensors([p.data for p in params])
+        flat = _on_comm_device(_flatten_dense_tensors([p.data for p in params]), group)
         dist.broadcast(flat, src=pp_ranks[src_rank], group=group)
         for p, synced in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
             p.data.copy_(synced)
