@@ -27,6 +27,7 @@ from pathlib import Path
 from statistics import median
 from typing import Sequence
 
+from .megatron.cpu_compat import CPU_FLAGS
 from .schedules.optimize import optimize_order
 from .schedules.simulate import simulate
 from .trace import analyze, load, pipelines, write_chrome_trace
@@ -49,9 +50,6 @@ MODEL = (f"--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 
          "--disable-bias-linear").split()
 PARALLEL = ("--pipeline-model-parallel-size 2 --pipeline-schedule dualpipev "
             "--expert-model-parallel-size 2").split()
-CPU = ("--distributed-backend gloo --transformer-impl local --use-cpu-initialization "
-       "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
-       "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm").split()
 # Micro-batch 1 x data parallel 2: 8 micro-batches per pipeline per step (M = 4P).
 DATA = (f"--mock-data --tokenizer-type NullTokenizer --micro-batch-size 1 --global-batch-size {GLOBAL_BATCH} "
         "--seed 1234 --log-interval 1 --eval-interval 1000 --eval-iters 0").split()
@@ -73,7 +71,7 @@ def pretrain_command(iterations: int, trace_dir: Path | None, extra: Sequence[st
     torchrun = Path(sys.executable).with_name("torchrun")
     trace = ["--dualpipe-trace", str(trace_dir)] if trace_dir is not None else []
     return [str(torchrun), "--standalone", f"--nproc-per-node={PROCESSES}", str(PRETRAIN),
-            *MODEL, *PARALLEL, *CPU, *DATA, *TRAIN, "--train-iters", str(iterations), *trace, *extra]
+            *MODEL, *PARALLEL, *CPU_FLAGS, *DATA, *TRAIN, "--train-iters", str(iterations), *trace, *extra]
 
 
 def parse_iterations(log: str) -> list[Iteration]:

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dualpipe_megatron.megatron.cpu_compat import CPU_FLAGS
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
@@ -36,9 +38,6 @@ RUN_TIMEOUT = 900
 
 MODEL = ("--num-layers 8 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
          "--max-position-embeddings 8 --vocab-size 64 --hidden-dropout 0 --attention-dropout 0").split()
-CPU = ("--distributed-backend gloo --transformer-impl local --use-cpu-initialization "
-       "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
-       "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm").split()
 DATA = ("--mock-data --tokenizer-type NullTokenizer --micro-batch-size 1 --global-batch-size 16 "
         "--seed 1234 --log-interval 1 --eval-interval 1000 --eval-iters 0").split()
 TRAIN = ("--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1 "
@@ -114,7 +113,7 @@ class Runner:
         log = self.out / f"{name}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                f"--master-port={free_port()}", "-m", "dualpipe_megatron.launch", str(self.script),
-               *MODEL, *CPU, *DATA, *args]
+               *MODEL, *CPU_FLAGS, *DATA, *args]
         with log.open("w") as f:
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.out,
                                   timeout=RUN_TIMEOUT).returncode

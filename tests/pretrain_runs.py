@@ -12,6 +12,8 @@ from pathlib import Path
 
 from launcher import PRETRAIN_GPT, REPO, fork_pretrain, job_env, torchrun
 
+from dualpipe_megatron.megatron.cpu_compat import CPU_FLAGS as CPU
+
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
 # Evaluation during training, then on the validation and test sets after it.
@@ -20,9 +22,6 @@ EVAL = re.compile(r"validation loss at iteration (\d+(?: on \w+ set)?) \| lm los
 MODEL = ("--num-layers 8 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
          "--max-position-embeddings 8 --vocab-size 64 --position-embedding-type learned_absolute "
          "--hidden-dropout 0 --attention-dropout 0").split()
-CPU = ("--distributed-backend gloo --transformer-impl local --use-cpu-initialization "
-       "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
-       "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm").split()
 DATA = ("--mock-data --tokenizer-type NullTokenizer --micro-batch-size 1 --global-batch-size 16 "
         "--seed 1234 --log-interval 1 --eval-interval 1000 --eval-iters 0").split()
 TRAIN = "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1".split()

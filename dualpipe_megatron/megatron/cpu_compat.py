@@ -26,6 +26,11 @@ from dualpipe_megatron.megatron.guard import check_version
 from dualpipe_megatron.patch_guard import PatchSet, around
 
 DISABLE_ENV = "DUALPIPE_CPU_COMPAT_DISABLE"
+# The Megatron flags a CPU job passes beside this layer (docs/megatron_cpu.md): gloo, local layers
+# built on the CPU, and the fusions that need CUDA kernels off.
+CPU_FLAGS = ("--distributed-backend gloo --transformer-impl local --use-cpu-initialization "
+             "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
+             "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm").split()
 CPU = torch.device("cpu")
 
 PATCHES = PatchSet("CPU compat")
@@ -494,6 +499,7 @@ def installed_groups() -> list[str]:
 
 
 __all__ = [
+    "CPU_FLAGS",
     "DISABLE_ENV",
     "GROUPS",
     "HostEvent",
