@@ -4,8 +4,9 @@ CPU tensors have no allocator statistics, so the meter counts what a pipeline
 schedule actually decides about: storages kept alive for backward. A storage
 counts from the moment autograd saves a tensor on it (or a deferred weight-grad
 closure captures one) until the last such holder is gone; storages shared by
-several saved tensors count once, parameters never. Receive buffers, gradients
-and temporaries are not activations and are not counted. With ``timeline`` the meter also
+several saved tensors count once, parameters never. A storage freed in place while held
+(``resize_(0)``: Megatron's output-discarding checkpoint of selective recompute) stops counting
+then. Receive buffers, gradients and temporaries are not activations and are not counted. With ``timeline`` the meter also
 keeps the live bytes after every change, on the clock the op tracer reads, so a traced step's
 ops can be given their bytes (op_bytes.py).
 """
@@ -46,8 +47,10 @@ class ActivationMeter:
     """Live and peak bytes of storages held for backward, outside ``params``."""
 
     def __init__(self, params: Iterable[torch.Tensor], timeline: bool = False) -> None:
-        self._excluded = {p.untyped_storage().data_ptr() for p in params}
-        self._holders: dict[int, int] = {}  # storage address -> holders alive
+        # Storages are keyed by their StorageImpl (``_cdata``), which an in-place resize keeps.
+        self._excluded = {p.untyped_storage()._cdata for p in params}
+        self._holders: dict[int, int] = {}  # storage -> holders alive
+        self._bytes: dict[int, int] = {}  # storage -> its bytes as counted now
         self.live = 0
         self.peak = 0
         # (perf_counter_ns, live bytes) after every change, when asked for
@@ -55,22 +58,34 @@ class ActivationMeter:
 
     def _hold(self, tensor: torch.Tensor, holder: object) -> None:
         storage = tensor.untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
+        key, size = storage._cdata, storage.nbytes()
         if key in self._excluded or size == 0:
             return
         if self._holders.get(key, 0) == 0:
+            self._bytes[key] = size
             self.live += size
             self.peak = max(self.peak, self.live)
             self._record()
         self._holders[key] = self._holders.get(key, 0) + 1
-        weakref.finalize(holder, self._release, key, size)
+        weakref.finalize(holder, self._release, key)
 
-    def _release(self, key: int, size: int) -> None:
+    def _release(self, key: int) -> None:
         self._holders[key] -= 1
         if self._holders[key] == 0:
             del self._holders[key]
-            self.live -= size
+            self.live -= self._bytes.pop(key)
             self._record()
+
+    def _resize(self, original: Callable[..., Any], storage: torch.UntypedStorage, size: int) -> Any:
+        """A held storage shrunk in place (freed) or regrown counts its new size."""
+        out = original(storage, size)
+        key = storage._cdata
+        if key in self._bytes:
+            self.live += storage.nbytes() - self._bytes[key]
+            self._bytes[key] = storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            self._record()
+        return out
 
     def _record(self) -> None:
         if self.timeline is not None:
@@ -95,7 +110,9 @@ class ActivationMeter:
         """Count while inside; ``peak`` is then the most bytes held at once beyond the bytes
         already held on entry."""
         saved = vars(WeightGradStore)["put"]
+        resize = torch.UntypedStorage.resize_
         WeightGradStore.put = partial(self._put, WeightGradStore.put)  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = lambda storage, size: self._resize(resize, storage, size)  # type: ignore[method-assign]
         start = self.live
         self.peak = start
         try:
@@ -103,4 +120,5 @@ class ActivationMeter:
                 yield
         finally:
             WeightGradStore.put = saved  # type: ignore[method-assign]
+            torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
         self.peak -= start

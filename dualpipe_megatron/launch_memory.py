@@ -7,8 +7,9 @@ P-1-r of the other). Weights, gradients and optimizer state use Megatron's own r
 ``theoretical_memory_usage``: bf16 weights, fp32 gradients, fp32 main weights and Adam
 moments, the last 12 bytes sharded over data parallel by the distributed optimizer; expert
 parameters over the expert data-parallel group). Activations are the schedule simulator's
-per-rank peak of live micro-batches, each stage weighted by the projection's saved bytes of a
-DeepSeek-V3-shaped layer (:mod:`.projection`).
+per-rank peak of live micro-batches of the op order the job runs, each stage weighted by its own
+layers' saved bytes under the job's implementation, precision and recompute options
+(:mod:`.projection.activations`), plus what a backward rebuilds at once under full recompute.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from dataclasses import dataclass, replace
 from megatron.core.transformer.enums import LayerType
 
 from .megatron.auto_layout import model_shape
-from .megatron.topology import DualPipeLayout
-from .projection.placement import Realistic, weighted_peak
+from .projection import activations
+from .projection.activations import ChunkBytes
+from .projection.placement import Realistic
 from .projection.shapes import check_stage, dense_layers, stage_shape
-from .schedules.ir import Schedule
+from .schedules.ir import B, F, Op, Schedule, W, halves
 from .schedules.model_shape import ModelShape
 
 GIB = 2**30
@@ -142,22 +144,22 @@ class ParamCounter:
         return total
 
 
-def stage_params(args: argparse.Namespace, layout: DualPipeLayout, shard: bool = True) -> list[Params]:
+def stage_params(args: argparse.Namespace, stage_layers: list[list[LayerType]], shard: bool = True) -> list[Params]:
     """Parameters of every model stage (one TP x EP rank's share with ``shard``)."""
     counter, pattern = ParamCounter(args, shard), moe_pattern(args)
     out, first = [], 0
-    for types in layout.stage_layers:
+    for types in stage_layers:
         out.append(counter.stage(types, first, pattern))
         first += types.count(LayerType.decoder)
     return out
 
 
-def rank_params(args: argparse.Namespace, layout: DualPipeLayout) -> list[Params]:
-    """Parameters each pipeline rank holds: its stages'. A tied output layer adds none: both
-    schedules put it on a rank that holds the embedding (our ties are local)."""
-    stages, stage_map = stage_params(args, layout), layout.stage_map
-    return [sum((stages[stage_map.stage(rank, c)] for c in range(stage_map.chunks)), Params())
-            for rank in range(stage_map.ranks)]
+def rank_params(args: argparse.Namespace, stage_layers: list[list[LayerType]], sched: Schedule) -> list[Params]:
+    """Parameters each pipeline rank holds: its stages' under ``sched``'s placement (DualPipe:
+    one stage of each copy). A tied output layer adds none under our schedules (a rank holding
+    the loss holds the embedding)."""
+    stages = stage_params(args, stage_layers)
+    return [sum((stages[s] for _, s in sched.stages_on(rank)), Params()) for rank in range(sched.ranks)]
 
 
 def state_bytes(args: argparse.Namespace, params: Params) -> float:
@@ -195,17 +197,87 @@ class GivenLayout(Realistic):
         return list(self.given)
 
 
-def decoder_counts(layout: DualPipeLayout) -> list[int]:
-    return [types.count(LayerType.decoder) for types in layout.stage_layers]
+def decoder_counts(stage_layers: list[list[LayerType]]) -> list[int]:
+    return [types.count(LayerType.decoder) for types in stage_layers]
 
 
-def activation_peaks(placement: Realistic, sched: Schedule, saved_bytes_per_unit: int) -> list[float]:
-    """Each rank's peak live activation bytes: the simulator's count of live micro-batches per
-    stage, weighted by the projection's per-stage saved bytes (in units of its 1/P stage)."""
-    plan = placement.plan(sched, True, False)
-    weight = {k: v * saved_bytes_per_unit for k, v in plan.activations.items()}
-    return [float(weighted_peak(ops, weight)) for ops in sched.ops]
+def activation_options(args: argparse.Namespace) -> activations.Options:
+    """The flags that decide saved bytes: ``--transformer-impl``, ``--bf16``/``--fp16``,
+    ``--fp8-format``, ``--recompute-granularity`` with ``--recompute-modules`` (Megatron's default
+    ``core_attn``) or ``--recompute-method``/``--recompute-num-layers``, TP, SP and CP, and the
+    fusions that change what is kept (softmax in fp32, SwiGLU fusion and its FP8 input store,
+    permute fusion, Transformer Engine's cross entropy)."""
+    granularity = args.recompute_granularity
+    modules = frozenset(args.recompute_modules or ["core_attn"]) if granularity == "selective" else frozenset()
+    full = None
+    if granularity == "full":
+        if args.recompute_method not in ("uniform", "block") or not args.recompute_num_layers:
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform|block and "
+                             "--recompute-num-layers")
+        full = (args.recompute_method, args.recompute_num_layers)
+    impl = "local" if args.transformer_impl == "local" else "transformer_engine"
+    return activations.Options(
+        impl=impl, act_bytes=2 if (args.bf16 or args.fp16) else 4, fp8=bool(args.fp8), modules=modules, full=full,
+        tp=args.tensor_model_parallel_size, sp=bool(args.sequence_parallel), cp=args.context_parallel_size,
+        softmax_fp32=bool(args.attention_softmax_in_fp32), fused_swiglu=bool(args.bias_swiglu_fusion),
+        fp8_act_input=bool(getattr(args, "activation_func_fp8_input_store", False)),
+        permute_fusion=bool(args.moe_permute_fusion),
+        te_cross_entropy=bool(args.cross_entropy_loss_fusion) and args.cross_entropy_fusion_impl == "te")
 
 
-__all__ = ["GIB", "GivenLayout", "ParamCounter", "Params", "activation_peaks", "decoder_counts", "moe_pattern",
-           "padded_vocab", "projection_shapes", "rank_params", "stage_params", "state_bytes"]
+def activation_shape(args: argparse.Namespace) -> ModelShape:
+    """The model as the saved-bytes terms read it (the vocabulary as Megatron pads it)."""
+    return replace(model_shape(args), vocab=padded_vocab(args))
+
+
+def stage_activations(args: argparse.Namespace, stage_layers: list[list[LayerType]]) -> list[ChunkBytes]:
+    """Saved bytes of one micro-batch on each model stage of ``stage_layers`` (any layout: ours,
+    Megatron's looped one), and what its backward rebuilds at once under full recompute."""
+    shape, options, pattern = activation_shape(args), activation_options(args), moe_pattern(args)
+    out, first = [], 0
+    for types in stage_layers:
+        decoders = types.count(LayerType.decoder)
+        chunk = activations.decoder_bytes(shape, options, pattern[first:first + decoders])
+        mtp, loss = types.count(LayerType.mtp), types.count(LayerType.loss)
+        heads = (activations.mtp_bytes(shape, options, pattern[-1]) * mtp
+                 + activations.head_bytes(shape, options) * loss)
+        held = (activations.mtp_bytes(shape, options, pattern[-1], weight_inputs=True) * mtp
+                + activations.head_bytes(shape, options, weight_inputs=True) * loss)
+        embedding = activations.embedding_bytes(shape, options) * types.count(LayerType.embedding)
+        out.append(ChunkBytes(chunk.kept + heads + embedding, chunk.transient, heads, chunk.held + held))
+        first += decoders
+    return out
+
+
+def activation_peaks(sched: Schedule, stages: list[ChunkBytes]) -> list[float]:
+    """Each rank's peak saved bytes under ``sched``'s op order: its live micro-batches, each
+    weighing its stage's bytes from its F until its W (the simulator's count), plus the largest
+    group of layers a backward on that rank rebuilds under full recompute (less the heads that
+    backward has freed before)."""
+    return [_live_peak(ops, stages) + max((stages[s].rebuilt for _, s in sched.stages_on(r)), default=0.0)
+            for r, ops in enumerate(sched.ops)]
+
+
+def _live_peak(ops: list[Op], stages: list[ChunkBytes]) -> float:
+    """The most bytes a rank's ops keep at once: an F adds its stage's ``kept``; a B frees it,
+    or, leaving its weight gradients for a W, swaps it for ``held`` (the linears' inputs, rebuilt
+    if recomputed) until that W. Counted after each op's F, as the simulator counts."""
+    live = peak = 0.0
+    for op in ops:
+        for h in halves(op):
+            if isinstance(h, F):
+                live += stages[h.key.s].kept
+            elif isinstance(h, B) and not h.w:
+                live += stages[h.key.s].held - stages[h.key.s].kept
+        peak = max(peak, live)
+        for h in halves(op):
+            if isinstance(h, W):
+                live -= stages[h.key.s].held
+            elif isinstance(h, B) and h.w:
+                live -= stages[h.key.s].kept
+    return peak
+
+
+__all__ = ["GIB", "GivenLayout", "ParamCounter", "Params", "activation_options", "activation_peaks",
+           "activation_shape", "decoder_counts", "moe_pattern", "padded_vocab", "projection_shapes", "rank_params",
+           "stage_activations", "stage_params", "state_bytes"]

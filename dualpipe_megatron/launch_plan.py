@@ -23,20 +23,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from .schedules.cli import CliParser, fmt, positive_int
 from .schedules.ir import Schedule, ScheduleError
 
 if TYPE_CHECKING:
+    from megatron.core.transformer.enums import LayerType
+
     from .megatron.schedule import DualPipeOptions
-    from .projection.project import Projection
-
-OVERLAP_LOSS = 0.1  # the projection command's default share of an F&B pair's all-to-all left exposed
-
+    from .launch_compare import Row
+    from .projection.project import Projection, Variant
 
 class Refused(Exception):
     """A start-up check refused the job; the message is the check's."""
@@ -95,6 +97,8 @@ def check(args: argparse.Namespace) -> Checked:
                 validate_args(args, {})
             except Exception as exc:  # Megatron refuses with assertions and assorted errors
                 raise Refused(f"Megatron's validate_args: {type(exc).__name__}: {exc}") from None
+        else:
+            args.virtual_pipeline_model_parallel_size = virtual_stages(args)
         try:
             post_validate(args)
         except ValueError as exc:
@@ -102,62 +106,141 @@ def check(args: argparse.Namespace) -> Checked:
     return Checked(args, requested, validated, active_options())
 
 
+def virtual_stages(args: argparse.Namespace) -> int | None:
+    """Megatron's virtual pipeline size from its two flags (what ``validate_args`` sets)."""
+    if args.num_virtual_stages_per_pipeline_rank:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_rank = args.num_layers // args.pipeline_model_parallel_size
+        return per_rank // args.num_layers_per_virtual_pipeline_stage
+    return None
+
+
+def job_schedule(checked: Checked, microbatches: int) -> tuple[Schedule, list[list[LayerType]]]:
+    """The op order the job runs and its layer types per model stage: ours as training builds
+    them (:func:`~.megatron.schedule.training_order`, the layout post_validate fixed), Megatron's
+    1F1B or interleaved order (its combined pairs under ``--overlap-moe-expert-parallel-comm``)
+    over its own looped split."""
+    from .megatron.schedule import training_order
+    from .megatron.topology import stage_layer_types
+    from .projection.project import megatron_combined_1f1b
+    from .schedules.registry import build_schedule
+
+    args, pp = checked.args, checked.args.pipeline_model_parallel_size
+    if checked.options is not None:
+        try:
+            sched = training_order(checked.options, pp, microbatches)
+        except ValueError as exc:  # a budget no order found meets: the job's first step would refuse it
+            raise Refused(str(exc)) from None
+        return sched, args.pipeline_model_parallel_layout.stage_layers
+    vp = args.virtual_pipeline_model_parallel_size
+    sched = build_schedule(args.pipeline_schedule, pp, microbatches, vp)
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        sched = megatron_combined_1f1b(sched)
+    layout = args.pipeline_model_parallel_layout
+    return sched, stage_layer_types(args.num_layers, sched.stages, layout if isinstance(layout, str) else None,
+                                    args.mtp_num_layers or 0)
+
+
 def _billions(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
-def _memory_lines(args: argparse.Namespace, peaks: list[float] | None, why: str) -> list[str]:
+def _memory_lines(args: argparse.Namespace, sched: Schedule, stage_layers: list[list[LayerType]],
+                  peaks: list[float]) -> list[str]:
     from .launch_memory import GIB, ParamCounter, moe_pattern, rank_params, stage_params, state_bytes
+    from .megatron.topology import layout_text
 
-    layout = args.pipeline_model_parallel_layout
     whole = ParamCounter(args, shard=False)
     mtp = (args.mtp_num_layers or 0) * whole.mtp(moe_pattern(args)[-1]).total
-    model = sum(p.total for p in stage_params(args, layout, shard=False)) - mtp
+    model = sum(p.total for p in stage_params(args, stage_layers, shard=False)) - mtp
     lines = [f"parameters: {_billions(model)} B in the model" + (f" + {_billions(mtp)} B in its MTP layers" if mtp
                                                                   else "")
-             + "; per rank, one TP x EP rank's share of its two stages:",
-             "| rank | stages | layers | params (B) | weights+grads+optimizer (GiB) | peak activations (GiB) |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    stage_map, names = layout.stage_map, repr(layout).split("|")
-    for rank, params in enumerate(rank_params(args, layout)):
-        held = [stage_map.stage(rank, c) for c in range(stage_map.chunks)]
-        act = "-" if peaks is None else f"{peaks[rank] / GIB:.1f}"
+             + "; per rank, one TP x EP rank's share of its stages:",
+             "| rank | stages | layers | params (B) | weights+grads+optimizer (GiB) | peak activations (GiB) | total (GiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    names = layout_text(stage_layers).split("|")
+    for rank, params in enumerate(rank_params(args, stage_layers, sched)):
+        held = [s for _, s in sched.stages_on(rank)]
+        state = state_bytes(args, params)
         lines.append(f"| {rank} | {', '.join(map(str, held))} | {' '.join(names[s] for s in held)} | "
-                     f"{_billions(params.total)} | {state_bytes(args, params) / GIB:.1f} | {act} |")
+                     f"{_billions(params.total)} | {state / GIB:.1f} | {peaks[rank] / GIB:.1f} | "
+                     f"{(state + peaks[rank]) / GIB:.1f} |")
     optimizer = (f"fp32 main weights and Adam moments sharded over DP {args.data_parallel_size} (experts' over "
                  f"expert DP) by the distributed optimizer" if args.use_distributed_optimizer
                  else "fp32 main weights and Adam moments unsharded")
     lines.append(f"memory: bf16 weights, fp32 gradients, {optimizer} (Megatron's bytes per parameter); "
-                 "activations: " + ("the simulator's live micro-batches per rank x the projection's saved bytes "
-                                    "per layer (bf16, flash attention, no recompute, FP8 caches left out; each "
-                                    "output head keeps fp32 logits)" if peaks is not None else f"n/a: {why}"))
+                 f"activations: {_activation_words(args)}, the op order's live micro-batches per rank "
+                 "(docs/performance.md, \"Activation memory\")")
     return lines
 
 
-def _projection(args: argparse.Namespace, sched: Schedule, max_activations: int | None, gpus_per_node: int
-                ) -> tuple[list[float], Projection]:
-    """Per-rank activation peaks and the projected step of the job's order ``sched`` (made within
-    ``max_activations``, if set), from the projection's public API."""
-    from .launch_memory import GivenLayout, activation_peaks, decoder_counts, projection_shapes
-    from .projection import Network, count_chunk, project_order, stage_times, variants
+def _activation_words(args: argparse.Namespace) -> str:
+    """What the activation column assumed, from the flags."""
+    from .launch_memory import activation_options
+
+    o = activation_options(args)
+    precision = {4: "fp32", 2: "bf16" if args.bf16 else "fp16"}[o.act_bytes] + (" + FP8 linear inputs" if o.fp8 and o.te
+                                                                              else "")
+    recompute = ("no recompute" if not o.modules and o.full is None
+                 else f"selective recompute of {', '.join(sorted(o.modules))}" if o.modules
+                 else f"full recompute ({o.full[0]}, {o.full[1]} layer(s))")
+    return f"{o.impl} layers, {precision}, {recompute}"
+
+
+def _placement_parts(args: argparse.Namespace, gpus_per_node: int, op_costs: str | None) -> tuple:
+    """The projection's model, its 1/P stage, that stage's op times (built-in FLOP costs, or a
+    measured/calibrated op-cost file) and the F&B pairs' exposed share."""
+    from .launch_memory import projection_shapes
+    from .projection import Network, OpCosts, count_chunk, stage_times
+    from .projection.cli import DEFAULT_OVERLAP_LOSS
 
     model, shape = projection_shapes(args)
     chunk = count_chunk(shape)
-    times = stage_times(shape, chunk, None, None, Network(gpus_per_node=gpus_per_node))
-    pp = args.pipeline_model_parallel_size
-    placement = GivenLayout(decoder_counts(args.pipeline_model_parallel_layout), model, shape, times,
-                            chunk, OVERLAP_LOSS, pp, sched.microbatches)
-    row = next(v for v in variants() if v.label == args.pipeline_schedule)
-    return (activation_peaks(placement, sched, chunk.saved_bytes),
-            project_order(placement, row, sched, max_activations))
+    measured = None
+    if op_costs:
+        try:
+            measured = OpCosts.from_json_obj(json.loads(Path(op_costs).read_text()))
+        except (OSError, ValueError) as exc:
+            raise Refused(f"--op-costs {op_costs}: {exc}") from None
+    times = stage_times(shape, chunk, measured, None, Network(gpus_per_node=gpus_per_node))
+    found = measured.exposed_share if measured else None
+    return model, shape, times, chunk, DEFAULT_OVERLAP_LOSS if found is None else found
 
 
-def _order(args: argparse.Namespace, options: DualPipeOptions) -> str:
-    """The op order the job runs, in words: DeepSeek's, or the optimized one, for which costs and
-    within which activation budget."""
+def _projection(args: argparse.Namespace, sched: Schedule, stage_layers: list[list[LayerType]],
+                max_activations: int | None, gpus_per_node: int, op_costs: str | None) -> Projection:
+    """The projected step of the job's order ``sched`` (made within ``max_activations``, if set),
+    from the projection's public API."""
+    from .launch_memory import GivenLayout, decoder_counts
+    from .projection import project_order
+
+    model, shape, times, chunk, loss = _placement_parts(args, gpus_per_node, op_costs)
+    placement = GivenLayout(decoder_counts(stage_layers), model, shape, times, chunk, loss,
+                            args.pipeline_model_parallel_size, sched.microbatches)
+    return project_order(placement, _variant(args), sched, max_activations)
+
+
+def _variant(args: argparse.Namespace) -> "Variant":
+    """The projection's row for the job's schedule."""
+    from .projection import variants
+
+    schedule = args.pipeline_schedule
+    if schedule == "interleaved":
+        vp = args.virtual_pipeline_model_parallel_size
+        label = f"interleaved-{vp}" + ("+a2a" if getattr(args, "overlap_moe_expert_parallel_comm", False) else "")
+        return next(v for v in variants(chunks=(vp,)) if v.label == label)
+    return next(v for v in variants() if v.label == schedule)
+
+
+def _order(args: argparse.Namespace, options: DualPipeOptions | None) -> str:
+    """The op order the job runs, in words: Megatron's, DeepSeek's, or the optimized one, for
+    which costs and within which activation budget."""
     from .megatron.schedule import order_costs
     from .schedules.simulate import StageCosts
 
+    if options is None:
+        return f"Megatron's {args.pipeline_schedule} order"
     c = order_costs(options)
     if c is None:
         return "DeepSeek's op order"
@@ -168,21 +251,29 @@ def _order(args: argparse.Namespace, options: DualPipeOptions) -> str:
     return f"the op order optimized for {costs}{budget}"
 
 
-def _step_line(args: argparse.Namespace, result: Projection | None, order: str, why: str) -> str:
+def _step_line(args: argparse.Namespace, result: Projection | None, order: str, why: str,
+               op_costs: str | None) -> str:
     if result is None:
         return f"projected step: n/a: {why}"
     step = float(result.result.makespan)
-    tokens = args.global_batch_size * args.seq_length / (step / 1000) / args.world_size
     exposed = "" if result.exposed_a2a_ms is None else f", exposed all-to-all {result.exposed_a2a_ms:,.1f} ms"
+    costs = (f"the op costs in {op_costs}" if op_costs
+             else "the projection's built-in costs: FLOPs at its default rate and its network model")
     return (f"projected step: {step:,.1f} ms, bubble ratio {float(result.result.bubble_ratio):.3f}{exposed}; "
-            f"{tokens:,.0f} tokens/s/GPU (the projection's built-in costs: FLOPs at its default rate and its "
-            f"network model, {order}; optimizer step and data-parallel reduction left out)")
+            f"{_tokens(args, step):,.0f} tokens/s/GPU ({costs}, {order}; optimizer step and data-parallel "
+            f"reduction left out)")
 
 
-def report(checked: Checked, gpus_per_node: int = 8) -> list[str]:
-    """The plan's lines: sizes, checks, layout, per-rank memory, projected step."""
+def _tokens(args: argparse.Namespace, step_ms: float) -> float:
+    return args.global_batch_size * args.seq_length / (step_ms / 1000) / args.world_size
+
+
+def plan(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) -> tuple[list[str], Row]:
+    """The plan's lines (sizes, checks, layout, per-rank memory, projected step) and its one row."""
+    from .launch_compare import Row
+    from .launch_memory import GIB, activation_peaks, rank_params, stage_activations, state_bytes
     from .megatron.auto_layout import microbatches
-    from .megatron.schedule import training_order
+    from .megatron.topology import layout_text
     from .projection import ProjectionError
 
     args = checked.args
@@ -194,22 +285,60 @@ def report(checked: Checked, gpus_per_node: int = 8) -> list[str]:
              f"DP {args.data_parallel_size} (EP {args.expert_model_parallel_size}), {m} micro-batches per step",
              f"checks: ours passed (arguments, schedule, layout, EPLB); Megatron's validate_args {megatron}"]
     options = checked.options
-    if options is None:  # post_validate keeps none for Megatron's schedules
-        return lines + [f"(--pipeline-schedule {schedule} is Megatron's: no DualPipe plan)"]
-    layout = args.pipeline_model_parallel_layout
-    how = ("chosen by --dualpipe-layout auto" if checked.requested_layout == "auto"
-           else "--dualpipe-layout" if checked.requested_layout else "--num-layers split evenly")
-    lines.append(f"layout ({how}, {layout.stage_map.num_stages} stages): {layout!r}")
+    sched, stage_layers = job_schedule(checked, m)
+    if options is not None:
+        how = ("chosen by --dualpipe-layout auto" if checked.requested_layout == "auto"
+               else "--dualpipe-layout" if checked.requested_layout else "--num-layers split evenly")
+    else:
+        how = "Megatron's split"
+    lines.append(f"layout ({how}, {len(stage_layers)} stages): {layout_text(stage_layers)}")
+    peaks = activation_peaks(sched, stage_activations(args, stage_layers))
+    result, why = None, ""
     try:
-        sched = training_order(options, pp, m)  # the job's own order, so the plan cannot drift from it
-    except ValueError as exc:  # a budget no order found meets: the job's first step would refuse it
-        raise Refused(str(exc)) from None
-    peaks, result, why = None, None, ""
-    try:
-        peaks, result = _projection(args, sched, options.max_activations, gpus_per_node)
+        result = _projection(args, sched, stage_layers, options.max_activations if options else None,
+                             gpus_per_node, op_costs)
     except (ProjectionError, ScheduleError) as exc:
         why = str(exc)
-    return lines + _memory_lines(args, peaks, why) + [_step_line(args, result, _order(args, options), why)]
+    lines += _memory_lines(args, sched, stage_layers, peaks)
+    lines.append(_step_line(args, result, _order(args, options), why, op_costs))
+    state = [state_bytes(args, params) for params in rank_params(args, stage_layers, sched)]
+    step = float(result.result.makespan) if result else float("nan")
+    vp = args.virtual_pipeline_model_parallel_size if schedule == "interleaved" else None
+    return lines, Row(schedule, schedule, vp, layout_text(stage_layers), step, _tokens(args, step),
+                      [a / GIB for a in peaks], [(a + b) / GIB for a, b in zip(peaks, state)], "")
+
+
+def report(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) -> list[str]:
+    """The plan's lines."""
+    return plan(checked, gpus_per_node, op_costs)[0]
+
+
+def comparison(checked: Checked, gpus_per_node: int, op_costs: str | None, gpu_memory: float | None
+               ) -> tuple[list[str], list[Row], int | None]:
+    """``--compare``: the table of every schedule for this job (:mod:`.launch_compare`)."""
+    from .launch_compare import compare, markdown
+    from .megatron.auto_layout import microbatches
+    from .projection import ProjectionError, Realistic
+
+    args = checked.args
+    m = microbatches(args)
+    try:
+        model, shape, times, chunk, loss = _placement_parts(args, gpus_per_node, op_costs)
+    except (ProjectionError, ScheduleError) as exc:
+        raise Refused(f"--compare needs the projection's model of this job: {exc}") from None
+    placement = Realistic(model, shape, times, chunk, loss, args.pipeline_model_parallel_size, m)
+    rows, refused, best = compare(args, placement, m, gpu_memory)
+    costs = f"op costs from {op_costs}" if op_costs else "the projection's built-in costs"
+    head = [f"# compare: {args.world_size} GPUs = PP {args.pipeline_model_parallel_size} x TP "
+            f"{args.tensor_model_parallel_size} x DP {args.data_parallel_size} (EP {args.expert_model_parallel_size}), "
+            f"{m} micro-batches per step; {costs}; memory: weights+grads+optimizer of each row's stages + "
+            f"activations ({_activation_words(args)})"]
+    return head + markdown(rows, refused, best, gpu_memory), rows, best
+
+
+def _write_json(path: str, rows: list[Row], best: int | None) -> None:
+    Path(path).write_text(json.dumps({"rows": [r.to_json() for r in rows], "fastest_that_fits": best}, indent=1,
+                                     allow_nan=False, default=str))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,6 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world-size", type=positive_int, required=True, help="GPUs of the job (all nodes)")
     parser.add_argument("--gpus-per-node", type=positive_int, default=8,
                         help="GPUs per node (the projection's network model; default 8)")
+    parser.add_argument("--compare", action="store_true",
+                        help="a table of every schedule that can run the job (step, tokens/s/GPU, memory per rank)")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                        help="with --compare: mark the rows that fit and name the fastest that does")
+    parser.add_argument("--op-costs", default=None, metavar="FILE",
+                        help="a measured or calibrated op-cost file (projection measure/calibrate) "
+                             "instead of the built-in costs")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help='write {"rows": [...], "fastest_that_fits": index or null} (one row without --compare)')
     parser.add_argument("pretrain_args", nargs=argparse.REMAINDER,
                         help="-- then scripts/pretrain_gpt.py's arguments")
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -225,7 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Megatron's import warns about every GPU library it lacks
-            lines = report(check(parse(rest, ns.world_size)), ns.gpus_per_node)
+            checked = check(parse(rest, ns.world_size))
+            if ns.compare:
+                lines, rows, best = comparison(checked, ns.gpus_per_node, ns.op_costs, ns.gpu_memory)
+            else:
+                lines, one = plan(checked, ns.gpus_per_node, ns.op_costs)
+                rows, best = [one], None
     except Refused as exc:
         print(f"refused: {exc}", file=sys.stderr)
         return 1
@@ -233,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(lines))
+    if ns.json:
+        _write_json(ns.json, rows, best)
     return 0
 
 

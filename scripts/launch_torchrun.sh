@@ -13,6 +13,7 @@
 #   DRY_RUN=1 scripts/launch_torchrun.sh      # print the command and check its plan, run nothing
 #   scripts/launch_torchrun.sh --dry-run ...  # the same (PLAN=0: the command only)
 #   SCHEDULE=dualpipe scripts/launch_torchrun.sh --dry-run  # DualPipe (its own default layout)
+#   COMPARE=1 GPU_MEMORY=80 scripts/launch_torchrun.sh --dry-run  # every schedule for this job, side by side
 # Multi-node: run it once per node with NODE_RANK and MASTER_ADDR set (launch_slurm.sbatch does).
 set -euo pipefail
 
@@ -105,6 +106,12 @@ PARALLEL=(
 [[ -n "$LAYOUT" ]] && PARALLEL+=(--dualpipe-layout "$LAYOUT")
 (( TP > 1 )) && PARALLEL+=(--sequence-parallel)
 [[ -n "$TRACE_DIR" ]] && PARALLEL+=(--dualpipe-trace "$TRACE_DIR")
+# DeepSeek-V3's recompute (tech report 3.2.3): RMSNorm and the MLA up-projections, recomputed in
+# the backward instead of kept. RECOMPUTE="" keeps everything; any of Megatron's
+# --recompute-modules (core_attn mla_up_proj layernorm mlp moe moe_act shared_experts) may be listed.
+RECOMPUTE=${RECOMPUTE-layernorm mla_up_proj}
+# shellcheck disable=SC2206  # a list of module names
+[[ -n "$RECOMPUTE" ]] && PARALLEL+=(--recompute-granularity selective --recompute-modules $RECOMPUTE)
 PRECISION=(--bf16)
 if [[ "${FP8:-1}" == 1 ]]; then  # DeepSeek-V3 style 1x128 / 128x128 block scaling; needs TE >= 2.x on Hopper+
     PRECISION+=(--fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather --moe-router-padding-for-fp8)
@@ -140,9 +147,12 @@ if [[ "$DRY_RUN" == 1 ]]; then
     # The plan: every start-up check, the layout, memory per rank, the projected step (no model
     # is built). Run it where the training environment is (FP8 needs Transformer Engine); PLAN=0
     # skips it. A refusal fails the dry run with the check's message.
+    # COMPARE=1: every schedule that can run this job instead, marked against GPU_MEMORY GiB (80).
     if [[ "${PLAN:-1}" == 1 ]]; then
+        COMPARE_ARGS=()
+        [[ "${COMPARE:-0}" == 1 ]] && COMPARE_ARGS=(--compare --gpu-memory "${GPU_MEMORY:-80}")
         "${PYTHON:-python}" -m dualpipe_megatron.launch_plan --world-size "$WORLD" \
-            --gpus-per-node "$GPUS_PER_NODE" -- "${PRETRAIN_ARGS[@]}"
+            --gpus-per-node "$GPUS_PER_NODE" "${COMPARE_ARGS[@]}" -- "${PRETRAIN_ARGS[@]}"
     fi
     exit 0
 fi

@@ -7,6 +7,7 @@ import argparse
 import json
 import random
 from dataclasses import replace
+from itertools import product
 from fractions import Fraction
 from pathlib import Path
 
@@ -14,9 +15,9 @@ import pytest
 
 from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import ScheduleError
-from dualpipe_megatron.schedules.layout import (LayerCosts, _Search, best_layout, even_counts, parse_moe_layer_freq,
-                                                stage_costs_for)
-from dualpipe_megatron.schedules.model_shape import ModelShape
+from dualpipe_megatron.schedules.layout import (LayerCosts, Split, _Search, best_counts, best_layout, even_counts,
+                                                layout_string, parse_moe_layer_freq, stage_costs_for)
+from dualpipe_megatron.schedules.model_shape import ModelShape, cost_of, total
 from dualpipe_megatron.schedules.registry import build_schedule
 from dualpipe_megatron.schedules.simulate import StageCost, simulate
 
@@ -142,7 +143,7 @@ def test_fast_timer_equals_simulate() -> None:
             ratio, c = Fraction(4, 5), Fraction(1, 3)
             search = _Search(sched, costs, ratio, c)
             for counts in (even_counts(L, sched.stages), [1] * (sched.stages - 1) + [L - sched.stages + 1]):
-                got = Fraction(search.key(tuple(counts))[0], search.unit * search.timer.scale)
+                got = Fraction(search.key(Split(tuple(counts)))[0], search.unit * search.timer.scale)
                 assert got == simulate(sched, stage_costs_for(sched, costs, counts, ratio, c)).makespan
 
 
@@ -154,8 +155,55 @@ def test_deterministic_and_ties_go_to_the_more_even_split() -> None:
     nothing, layer = StageCost(Fraction(0), Fraction(0), Fraction(0)), StageCost(Fraction(1), Fraction(2), Fraction(1))
     search = _Search(build_schedule("dualpipev", 2, 4), LayerCosts(nothing, (layer,) * 8, nothing), Fraction(1),
                      Fraction(0))
-    even, moved = search.key((2, 2, 2, 2)), search.key((2, 3, 1, 2))
-    assert even[0] == moved[0] and even < moved and search.descend((2, 3, 1, 2))[2] == (2, 2, 2, 2)
+    even, moved = search.key(Split((2, 2, 2, 2))), search.key(Split((2, 3, 1, 2)))
+    assert even[0] == moved[0] and even < moved and search.descend(Split((2, 3, 1, 2)))[2] == Split((2, 2, 2, 2))
+
+
+@pytest.mark.parametrize(("counts", "layout"), [((4, 4, 4, 0), "Etttt|tttt|ttttm|L"),
+                                                ((5, 7, 0, 0), "Ettttt|ttttttt|m|L"),
+                                                ((0, 6, 6, 0), "E|tttttt|ttttttm|L")])
+def test_loss_alone_is_a_layout_megatron_accepts_and_is_costed_in_place(counts: tuple[int, ...],
+                                                                        layout: str) -> None:
+    """The loss alone in the last stage, the MTP layer closing the one before (alone: ``m|L``), as
+    Megatron's own parser reads it for interleaved P=2 (2 virtual stages each); the loss's stage
+    also computes the MTP layer's output layer and loss, as Megatron's post-process does."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    assert layout_string(counts, 1, loss_alone=True) == layout
+    parsed = PipelineParallelLayerLayout(layout, 2)
+    assert parsed.virtual_pipeline_model_parallel_size == 2
+    assert parsed.validate_layer_layout(num_layers=12, mtp_num_layers=1) is True  # its mtp_standalone
+    costs = LayerCosts.from_shape(MOE_MTP)
+    stages = [costs.stage_cost(counts, s, loss_alone=True) for s in range(4)]
+    assert stages[3] == total([costs.loss, costs.loss])
+    assert stages[2] == total([*costs.decoder[12 - counts[2]:], costs.mtp[0] + costs.loss * -1])
+    assert stages[0] == total([costs.embedding, *costs.decoder[:counts[0]]])
+    assert total(stages) == total([costs.embedding, *costs.decoder, *costs.mtp, costs.loss])
+    with pytest.raises(ScheduleError, match="the loss alone in the last stage, yet 1 decoder"):
+        stage_costs_for(build_schedule("interleaved", 2, 4, 2), costs, (4, 4, 3, 1), loss_alone=True)
+
+
+# Six equal layers; the MTP layer (a layer, a projection, its own output layer and loss) and the
+# loss weigh five layers' F together.
+LAYER, HEAD = cost_of(1, 2, 1), cost_of(2, 4, 0)
+TAIL_HEAVY = LayerCosts(cost_of(0, 0, 0), (LAYER,) * 6, HEAD, (total([LAYER, cost_of(1, 1, 0), HEAD]),))
+
+
+def test_megatron_search_puts_the_loss_alone_when_that_is_fastest() -> None:
+    sched = build_schedule("interleaved", 2, 8, 2)
+
+    def step(split: Split) -> Fraction:
+        return simulate(sched, stage_costs_for(sched, TAIL_HEAVY, split.counts, 1, 0, split.loss_alone)).makespan
+
+    ours = best_counts(sched, TAIL_HEAVY, Fraction(1), Fraction(0))
+    megatron = best_counts(sched, TAIL_HEAVY, Fraction(1), Fraction(0), megatron=True)
+    assert ours == Split((3, 1, 2, 0)) and megatron == Split((2, 2, 2, 0), True)
+    assert step(megatron) == 155 < step(ours) == 178
+    search = _Search(sched, TAIL_HEAVY, Fraction(1), Fraction(0), megatron=True)
+    assert Fraction(search.key(megatron)[0], search.unit * search.timer.scale) == step(megatron)
+    every = [Split(c, alone) for alone in (False, True) for c in product(range(7), repeat=4)
+             if sum(c) == 6 and all(n >= f for n, f in zip(c, search.floors[alone])) and not (alone and c[3])]
+    assert len(every) == 56 and min(map(step, every)) == step(megatron)  # the best Megatron accepts here
 
 
 def test_moe_layer_freq_is_parsed_like_megatron() -> None:

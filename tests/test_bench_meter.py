@@ -71,3 +71,16 @@ def test_the_timeline_records_live_bytes_after_every_change() -> None:
     times = [t for t, _ in meter.timeline]
     assert [live for _, live in meter.timeline] == [BYTES, 2 * BYTES, BYTES, 0] and times == sorted(times)
     assert ActivationMeter([]).timeline is None  # off unless asked for
+
+
+def test_a_held_storage_freed_in_place_stops_counting() -> None:
+    """Megatron's output-discarding checkpoint frees a saved output with ``resize_(0)``."""
+    meter = ActivationMeter([])
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with meter.measuring():
+        y = x.exp()  # saves its output
+        assert meter.live == BYTES
+        y.untyped_storage().resize_(0)
+        assert meter.live == 0
+        del y
+    assert meter.live == 0 and meter.peak == BYTES

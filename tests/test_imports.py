@@ -13,7 +13,7 @@ The sub-packages form layers, lowest first; a layer imports only from layers bel
 4. ``megatron`` (the adapter, which records traces) and ``projection``;
 5. ``eplb``: hooks into the adapter's argument hooks and gradient path;
 6. entry points, which may also import one another: ``routes`` (above ``megatron`` and
-   ``eplb``), ``launch``, ``launch_plan``, ``launch_memory``, ``demo``.
+   ``eplb``), ``launch``, ``launch_plan``, ``launch_compare``, ``launch_memory``, ``demo``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LAYERS = [
     {"compat", "trace"},
     {"megatron", "projection"},
     {"eplb"},
-    {"routes", "launch", "launch_plan", "launch_memory", "demo"},
+    {"routes", "launch", "launch_plan", "launch_compare", "launch_memory", "demo"},
 ]
 ENTRY_POINTS = LAYERS[-1]
 

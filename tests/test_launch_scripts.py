@@ -255,7 +255,7 @@ def test_parameter_count_matches_megatrons_estimate() -> None:
     _parser()
     args = launch_plan.parse(cmd[next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py")) + 1:], 2048)
     launch_plan.check(args)
-    ours = sum(p.total for p in stage_params(args, args.pipeline_model_parallel_layout, shard=False))
+    ours = sum(p.total for p in stage_params(args, args.pipeline_model_parallel_layout.stage_layers, shard=False))
     h = args.hidden_size
     megatron_args = copy.copy(args)
     megatron_args.padded_vocab_size = padded_vocab(args)
@@ -264,3 +264,42 @@ def test_parameter_count_matches_megatrons_estimate() -> None:
         compute_weight_and_optimizer_memory(megatron_args, verbose=True)
     total = next(line for line in printed.getvalue().splitlines() if line.startswith("Total number of parameters"))
     assert total.split()[-1] == f"{(ours - args.mtp_num_layers * (3 * h + 2 * h * h)) / 1e9:.2f}", total
+
+
+def _compare(cmd: list[str], gpu_memory: float | None = None) -> tuple[list, int | None]:
+    """``--compare``'s rows for a printed command, mocked as :func:`_plan` is."""
+    import torch
+    from megatron.training import arguments
+
+    from dualpipe_megatron import launch_plan
+    from dualpipe_megatron.megatron import support
+
+    _parser()
+    script = next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py"))
+    world = int(dict(zip(cmd[1:], cmd[2:]))["--nproc-per-node"])
+    with mock.patch.object(support, "_have_transformer_engine", lambda: True), \
+            mock.patch.object(launch_plan, "_have_cuda", lambda: True), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda *_: (9, 0)), \
+            mock.patch.object(arguments, "is_te_min_version", lambda *_, **__: True):
+        checked = launch_plan.check(launch_plan.parse(cmd[script + 1:], world))
+        _, rows, best = launch_plan.comparison(checked, 8, None, gpu_memory)
+        return rows, best
+
+
+def test_compare_rows_agree_with_the_plan_of_the_same_options() -> None:
+    """``launch_plan --compare`` on the one-node proxy: every training schedule has a row, and the
+    DualPipeV row's step, activations and memory per rank are the one-schedule plan's for
+    the same layout and order (the plan run with that row's schedule and layout)."""
+    base = _command(_run(TORCHRUN_SH, "--dry-run", **PROXY, FP8="1").stdout)
+    rows, best = _compare(base, gpu_memory=80)
+    labels = [r.label for r in rows]
+    for wanted in ("1f1b", "interleaved-2+a2a auto", "zbv", "dualpipe auto+opt", "dualpipev auto"):
+        assert wanted in labels, labels
+    assert [r.step_ms for r in rows] == sorted(r.step_ms for r in rows)
+    assert best is not None and rows[best].fits and rows[best].flags
+    assert all(r.fits == (max(r.peak_gib) <= 80) for r in rows)
+    row = rows[labels.index("dualpipev auto")]
+    lines, _ = _plan([*base, "--dualpipe-layout", row.layout])
+    one = next(line for line in lines if line.startswith("projected step: "))
+    assert float(one.split()[2].replace(",", "")) == pytest.approx(row.step_ms, abs=0.05)
+    assert _peaks(lines) == [round(a, 1) for a in row.activation_gib]

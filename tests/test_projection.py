@@ -229,6 +229,22 @@ def test_realistic_stage_costs_sum_to_the_model(realistic: Realistic) -> None:
         assert plan.layout.startswith("E") and plan.layout.endswith("mL")
 
 
+def test_realistic_interleaved_4_at_p16_holds_the_embedding_and_the_loss_alone() -> None:
+    """61 layers fill P=16 x 4 virtual stages only as Megatron's layout 'E|t|...|t|m|L': the MTP
+    layer's all-to-all on its own stage, every logit (the model's and MTP's) on the loss's."""
+    chunk = count_chunk(DEEPSEEK_V3_STAGE)
+    real = Realistic(DEEPSEEK_V3, DEEPSEEK_V3_STAGE, stage_times(DEEPSEEK_V3_STAGE, chunk, None, None, Network()),
+                     chunk, 0.1, 16, 16)
+    auto = next(v for v in variants((4,), auto_layout=True) if v.label == "interleaved-4+a2a auto")
+    sched = build_variant(auto, 16, 16)
+    plan = real.plan(sched, True, True)
+    assert plan.layout == "E|" + "t|" * 61 + "m|L"
+    assert plan.costs.comm[(0, 62)] == real.a2a and plan.costs.comm[(0, 63)] == (0, 0)
+    assert plan.activations[(0, 63)] == 2 * real.logits and plan.params[(0, 63)] == real.table
+    with pytest.raises(ScheduleError, match="cannot fill 64 stages"):
+        real.plan(sched, True, False)
+
+
 def test_uniform_stage_cost_file_reproduces_the_uniform_projection(tmp_path: Path) -> None:
     t = times(F=1, B=2, W=0.5, FB=3, a2a=0.5, p2p=0.25)  # lone F+B = 4, a pair 3 at loss 0
     uniform = schedule_costs(t, overlap=True, loss=0)

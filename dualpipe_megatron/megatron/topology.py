@@ -133,7 +133,7 @@ class DualPipeLayout(PipelineParallelLayerLayout):
         return False
 
     def __repr__(self) -> str:
-        return "|".join("".join(_CHAR[t] for t in s) for s in self.stage_layers)
+        return layout_text(self.stage_layers)
 
     def get_layer_offset(
         self,
@@ -150,3 +150,8 @@ class DualPipeLayout(PipelineParallelLayerLayout):
 
 
 _CHAR = {LayerType.embedding: "E", LayerType.loss: "L", LayerType.decoder: "t", LayerType.mtp: "m"}
+
+
+def layout_text(stage_layers: list[list[LayerType]]) -> str:
+    """Stages as Megatron's layout string writes them (``Ett|tt|tmL``)."""
+    return "|".join("".join(_CHAR[t] for t in stage) for stage in stage_layers)

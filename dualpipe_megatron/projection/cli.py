@@ -155,7 +155,8 @@ def _placement(args: argparse.Namespace, target: ModelShape, times: StageTimes,
     return (Realistic(model, target, times, chunk, args.overlap_loss, args.ranks, args.microbatches),
             f"realistic ({model.num_layers} layers, the first {args.dense_layers} dense, "
             f"{model.mtp_layers} MTP, vocabulary {model.vocab}, dense FFN {model.ffn}; embedding "
-            f"on the first stage, output layer + loss and MTP on the last)")
+            f"on the first stage, output layer + loss and MTP on the last, or in Megatron's auto "
+            f"layouts the loss alone on the last and MTP on the one before)")
 
 
 def cmd_project(args: argparse.Namespace) -> None:
@@ -251,8 +252,9 @@ def make_parser() -> argparse.ArgumentParser:
                             "realistic: the whole model layer by layer (embedding on the first "
                             "stage, dense layers first, output layer + loss and MTP on the last), "
                             "Megatron's schedules split as with --account-for-embedding/loss-in-"
-                            "pipeline-split, DualPipe(V) also with the auto layout and the op-order "
-                            "optimizer")
+                            "pipeline-split, interleaved+a2a also with the auto layout (the loss "
+                            "may stand alone), DualPipe(V) also with the auto layout and the "
+                            "op-order optimizer")
     place.add_argument("--stage-costs", metavar="FILE", default=None,
                        help="the simulator's stage-cost JSON for direction 0's stages of one model "
                             "copy in model order (ms); each schedule cuts them evenly")

@@ -13,8 +13,10 @@ Three placements feed :func:`~.project.project`:
   (:mod:`..schedules.model_shape`'s FLOP count, the one the stages' costs use); all-to-all
   only on MoE layers. Megatron's
   schedules get the split of ``--account-for-embedding-in-pipeline-split
-  --account-for-loss-in-pipeline-split`` (embedding and loss count as one layer each),
-  DualPipe(V) the auto layout (:func:`~..schedules.layout.best_layout`).
+  --account-for-loss-in-pipeline-split`` (embedding and loss count as one layer each);
+  ``auto`` rows the layout search (:func:`~..schedules.layout.best_counts`): for Megatron's
+  schedules over layouts its ``--pipeline-model-parallel-layout`` takes (the loss alone in the
+  last stage too), for DualPipe(V) over those our runtime takes.
 
 Activations and parameters are in units of one uniform 1/P stage (``layers_per_rank`` MoE
 layers), so the columns stay comparable across placements.
@@ -27,7 +29,7 @@ from fractions import Fraction
 from typing import Callable, Protocol
 
 from ..schedules.ir import FB, B, F, Op, Schedule, ScheduleError, W, halves
-from ..schedules.layout import LayerCosts, best_counts, even_counts, layout_string, stage_costs_for
+from ..schedules.layout import LayerCosts, Split, best_counts, even_counts, layout_string, stage_costs_for
 from ..schedules.model_shape import ModelShape
 from ..schedules.simulate import AnyCosts, StageCost, StageCosts
 from .costs import StageTimes, exposed_a2a, microseconds, schedule_costs
@@ -35,6 +37,7 @@ from .count import ChunkCount
 from .shapes import ProjectionError
 
 LOGIT_BYTES = 4  # the loss keeps fp32 logits for its backward
+MEGATRON_SCHEDULES = ("1f1b", "interleaved")  # run by Megatron's own pipeline
 
 
 @dataclass(frozen=True)
@@ -191,25 +194,39 @@ class Realistic:
         self.p2p = microseconds(times.p2p)
 
     def counts(self, sched: Schedule, auto_layout: bool) -> list[int]:
-        if not auto_layout:
-            return megatron_counts(self.model.num_layers, sched.stages)
-        return list(best_counts(sched, self.layers, self.fb_ratio, self.p2p))
+        """Decoder layers per stage of a row without the layout search (``auto_layout`` False; MTP
+        and loss on the last stage): Megatron's split. A subclass may give a job's own."""
+        return megatron_counts(self.model.num_layers, sched.stages)
+
+    def split(self, sched: Schedule, auto_layout: bool) -> Split:
+        """The layout :meth:`plan` costs: the layout search's for ``auto_layout`` (for Megatron's
+        schedules the loss alone too), else :meth:`counts`."""
+        if auto_layout:
+            return best_counts(sched, self.layers, self.fb_ratio, self.p2p, runs_on_megatron(sched))
+        return Split(tuple(self.counts(sched, auto_layout)))
 
     def plan(self, sched: Schedule, overlap: bool, auto_layout: bool) -> Plan:
-        counts = self.counts(sched, auto_layout)
-        linear = stage_costs_for(sched, self.layers, counts, self.fb_ratio, self.p2p)
+        counts, loss_alone = self.split(sched, auto_layout)
+        linear = stage_costs_for(sched, self.layers, counts, self.fb_ratio, self.p2p, loss_alone)
         last = len(counts) - 1
         act, params, comm = {}, {}, {}
         for d, s in sched.placement:
             start = sum(counts[:s])
-            moe = sum(self.moe_layers[start:start + counts[s]])
-            moe += self.model.mtp_layers * self.mtp_moe if s == last else 0
-            layers = counts[s] + (self.model.mtp_layers if s == last else 0)
+            mtp = self.model.mtp_layers if s == last - loss_alone else 0
+            moe = sum(self.moe_layers[start:start + counts[s]]) + mtp * self.mtp_moe
+            layers = counts[s] + mtp
             act[(d, s)] = layers * self.layer_unit + (self.logits * (1 + self.model.mtp_layers) if s == last else 0)
             params[(d, s)] = layers * self.layer_unit + self.table * ((s == 0) + (s == last))
             comm[(d, s)] = (moe * self.a2a[0], moe * self.a2a[1])
         costs = PairCosts(linear.stages, linear.fb_ratio, linear.c, comm, self.loss if overlap else Fraction(1))
-        return Plan(costs, act, params, costs.exposed, layout_string(counts, self.model.mtp_layers))
+        return Plan(costs, act, params, costs.exposed, layout_string(counts, self.model.mtp_layers, loss_alone))
+
+
+def runs_on_megatron(sched: Schedule) -> bool:
+    """Megatron's own pipeline runs ``sched`` (1F1B, interleaved, either with its all-to-all
+    overlap: :func:`~.project.megatron_combined_1f1b`'s ``+a2a``), so its layout may be any that
+    ``--pipeline-model-parallel-layout`` accepts, the loss alone in the last stage included."""
+    return sched.name.split("+")[0] in MEGATRON_SCHEDULES
 
 
 def weighted_peak(ops: list[Op], weight: dict[tuple[int, int], Fraction]) -> Fraction:
@@ -227,4 +244,4 @@ def weighted_peak(ops: list[Op], weight: dict[tuple[int, int], Fraction]) -> Fra
 
 
 __all__ = ["FromFile", "PairCosts", "Placement", "Plan", "Realistic", "Uniform", "megatron_counts",
-           "weighted_peak"]
+           "runs_on_megatron", "weighted_peak"]

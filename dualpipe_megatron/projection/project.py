@@ -102,6 +102,7 @@ class Projection:
     peak_live: int = 0  # most live (d,s,m) on a rank, unweighted (the budget's unit)
     max_activations: int | None = None  # the budget the order was optimized within
     clamped: bool = False  # the budget's fraction fell below the minimum any order needs
+    order: Schedule | None = None  # the op order simulated (e.g. to weigh its stages' own bytes)
 
 
 def activation_budget(sched: Schedule, fraction: Fraction) -> tuple[int, bool]:
@@ -153,7 +154,7 @@ def _measured(v: Variant, sched: Schedule, plan: Plan, budget: int | None, clamp
     exposed = (max(sum(plan.exposed(op) for op in ops) for ops in sched.ops)
                if plan.exposed else None)
     live = max(peak_live_activations(ops) for ops in sched.ops)
-    return Projection(v, res, peak, params, exposed, plan.layout, live, budget, clamped)
+    return Projection(v, res, peak, params, exposed, plan.layout, live, budget, clamped, sched)
 
 
 __all__ = ["Projection", "VARIANTS", "Variant", "activation_budget", "build_variant",

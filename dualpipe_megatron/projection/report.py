@@ -65,7 +65,12 @@ REALISTIC = [
     "dualpipe(v) split as --account-for-embedding-in-pipeline-split "
     "--account-for-loss-in-pipeline-split does (embedding and loss one layer each; when the "
     "count does not divide, the middle stages take the extra layers); 'auto' rows use the "
-    "layout search; '+opt' rows the op-order optimizer for the same stage costs.",
+    "layout search: Megatron's schedules over the layouts --pipeline-model-parallel-layout "
+    "accepts, the loss alone in the last stage after the MTP layers' ('...|m|L') and the "
+    "embedding alone in the first included (the loss's stage then also computes each MTP "
+    "layer's output layer and loss, as Megatron's post-process does), dualpipe(v) over those "
+    "our runtime accepts (the MTP layers with the loss in the last stage); '+opt' rows the "
+    "op-order optimizer for the same stage costs.",
     "Activations: every transformer layer (dense, MoE, MTP) saves what a MoE layer saves, the "
     "output layer and each MTP head keep fp32 logits; params: every transformer layer as a MoE "
     "layer's EP share, embedding and output layer vocab x hidden each.",

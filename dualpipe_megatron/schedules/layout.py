@@ -5,7 +5,9 @@ and the MTP layers (under DualPipeV both on rank 0), and dense and MoE layers di
 split of ``--num-layers`` leaves those differences to the bubbles; :func:`best_layout` instead
 picks the contiguous split whose step, simulated with per-stage costs
 (:class:`~.simulate.StageCosts`), is shortest, as a Megatron layout string for
-``--dualpipe-layout``. Pure Python: no torch, no Megatron.
+``--dualpipe-layout``. For Megatron's own schedules (the projection's ``auto`` rows) the search
+also knows the layouts that only Megatron runs: the loss as a stage of its own after the MTP
+layers' (its ``mtp_standalone``) and the embedding alone. Pure Python: no torch, no Megatron.
 
 Costs are per micro-batch, in any unit: FLOPs from the model's shape
 (:meth:`LayerCosts.from_shape`, counted as :mod:`.model_shape` documents: causal attention is
@@ -19,7 +21,7 @@ import ast
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from .events import Encoder, Replay, TimedOp
 from .ir import Op, Schedule, ScheduleError, halves
@@ -93,15 +95,46 @@ class LayerCosts:
     def num_layers(self) -> int:
         return len(self.decoder)
 
-    def stage_cost(self, counts: Sequence[int], stage: int) -> StageCost:
-        """Cost of ``stage`` when stage i holds ``counts[i]`` consecutive decoder layers."""
+    def fixed_parts(self, stages: int, loss_alone: bool = False) -> list[list[StageCost]]:
+        """What each of ``stages`` stages holds besides decoder layers: the embedding opens the
+        first; the MTP layers and the loss close the last, or with ``loss_alone`` the MTP layers
+        close the last but one and the loss is the last stage alone. That stage then also runs
+        each MTP layer's output layer and loss (Megatron's post-process computes them from the
+        hidden states the MTP stage hands on), so an MTP layer there costs its entry less
+        ``loss``: each entry includes a head like ``loss`` (:meth:`from_shape`'s do)."""
+        parts: list[list[StageCost]] = [[] for _ in range(stages)]
+        parts[0].append(self.embedding)
+        if not loss_alone:
+            parts[-1] += [*self.mtp, self.loss]
+            return parts
+        if stages < 2:
+            raise ScheduleError("the loss alone needs two stages or more")
+        parts[-2] += [self._without_head(i) for i in range(len(self.mtp))]
+        parts[-1] += [self.loss] * (1 + len(self.mtp))
+        return parts
+
+    def _without_head(self, i: int) -> StageCost:
+        """MTP layer ``i`` less its output layer and loss, which run on the loss's stage."""
+        body = self.mtp[i] + self.loss * -1
+        if min(getattr(body, f) for f in STAGE_FIELDS) < 0 or body.B < body.W:
+            raise ScheduleError(f"layer costs: mtp[{i}] must include an output layer and loss like "
+                                "'loss' to stand apart from it")
+        return body
+
+    def stage_cost(self, counts: Sequence[int], stage: int, loss_alone: bool = False) -> StageCost:
+        """Cost of ``stage`` when stage i holds ``counts[i]`` consecutive decoder layers and
+        :meth:`fixed_parts`' share."""
         start = sum(counts[:stage])
-        parts = list(self.decoder[start:start + counts[stage]])
-        if stage == 0:
-            parts.insert(0, self.embedding)
-        if stage == len(counts) - 1:
-            parts += [*self.mtp, self.loss]
-        return total(parts)
+        return total([*self.decoder[start:start + counts[stage]],
+                      *self.fixed_parts(len(counts), loss_alone)[stage]])
+
+
+class Split(NamedTuple):
+    """A layout as the search sees it: decoder layers per stage in model order, and whether the
+    loss is a stage of its own (``counts[-1] == 0``; the MTP layers then close the stage before)."""
+
+    counts: tuple[int, ...]
+    loss_alone: bool = False
 
 
 def parse_moe_layer_freq(text: str) -> int | tuple[int, ...]:
@@ -135,11 +168,12 @@ def parse_moe_layer_freq(text: str) -> int | tuple[int, ...]:
                             f"'([0]*3+[1]*58)' ({exc})") from None
 
 
-def layout_string(counts: Sequence[int], mtp_layers: int = 0) -> str:
-    """Megatron's layout string for decoder-layer ``counts`` per stage, in model-stage order."""
+def layout_string(counts: Sequence[int], mtp_layers: int = 0, loss_alone: bool = False) -> str:
+    """Megatron's layout string for decoder-layer ``counts`` per stage, in model-stage order; the
+    MTP layers close the last stage with the loss or, with ``loss_alone``, the one before it."""
     last = len(counts) - 1
-    return "|".join(("E" if s == 0 else "") + "t" * n + ("m" * mtp_layers + "L" if s == last else "")
-                    for s, n in enumerate(counts))
+    return "|".join(("E" if s == 0 else "") + "t" * n + ("m" * mtp_layers if s == last - loss_alone else "")
+                    + ("L" if s == last else "") for s, n in enumerate(counts))
 
 
 def even_counts(num_layers: int, stages: int) -> list[int]:
@@ -155,12 +189,15 @@ def even_counts(num_layers: int, stages: int) -> list[int]:
 
 
 def stage_costs_for(sched: Schedule, layer_costs: LayerCosts, counts: Sequence[int],
-                    fb_ratio: Number = 1, c: Number = 0) -> StageCosts:
-    """Per-(direction, stage) costs of the split ``counts`` (the same split in both DualPipe directions)."""
+                    fb_ratio: Number = 1, c: Number = 0, loss_alone: bool = False) -> StageCosts:
+    """Per-(direction, stage) costs of the split ``counts`` (the same split in both DualPipe
+    directions); ``loss_alone``: the loss is the last stage alone (:meth:`LayerCosts.fixed_parts`)."""
     if len(counts) != sched.stages or sum(counts) != layer_costs.num_layers:
         raise ScheduleError(f"a split of {sum(counts)} layers over {len(counts)} stages for "
                             f"{layer_costs.num_layers} layers over {sched.stages}")
-    per_stage = [layer_costs.stage_cost(counts, s) for s in range(sched.stages)]
+    if loss_alone and counts[-1]:
+        raise ScheduleError(f"the loss alone in the last stage, yet {counts[-1]} decoder layers there")
+    per_stage = [layer_costs.stage_cost(counts, s, loss_alone) for s in range(sched.stages)]
     return StageCosts({(d, s): per_stage[s] for d, s in sched.placement}, exact(fb_ratio), exact(c))
 
 
@@ -231,9 +268,16 @@ class _Timer:
 
 
 class _Search:
-    """Steepest descent over splits: each step moves one decoder layer between two stages."""
+    """Steepest descent over splits: each step moves one decoder layer between two stages.
 
-    def __init__(self, sched: Schedule, layer_costs: LayerCosts, fb_ratio: Fraction, c: Fraction) -> None:
+    ``megatron``: the layouts Megatron's ``--pipeline-model-parallel-layout`` accepts, so splits
+    with the loss as a stage of its own (:class:`Split`) too, and the first stage may hold the
+    embedding alone; otherwise the layouts our runtime accepts
+    (:func:`~..megatron.topology.layout_problems`: the MTP layers and the loss share the last).
+    """
+
+    def __init__(self, sched: Schedule, layer_costs: LayerCosts, fb_ratio: Fraction, c: Fraction,
+                 megatron: bool = False) -> None:
         lc = layer_costs
         parts = (lc.embedding, lc.loss, *lc.decoder, *lc.mtp)
         self.unit = unit = math.lcm(*(getattr(p, f).denominator for p in parts for f in STAGE_FIELDS),
@@ -243,86 +287,115 @@ class _Search:
         def ints(cost: StageCost) -> tuple[int, ...]:
             return tuple(int(getattr(cost, f) * unit) for f in STAGE_FIELDS)
 
-        self.head = ints(lc.embedding)
-        self.tail = ints(total([*lc.mtp, lc.loss]))
+        self.tails = (False, True) if megatron and sched.stages > 1 else (False,)  # loss_alone values
+        self.fixed = {alone: [ints(total(p)) for p in lc.fixed_parts(sched.stages, alone)] for alone in self.tails}
+        self.floors = {alone: _floors(sched.stages, alone, bool(lc.mtp), megatron) for alone in self.tails}
         self.prefix: list[tuple[int, ...]] = [(0,) * len(STAGE_FIELDS)]
         for cost in lc.decoder:
             self.prefix.append(tuple(a + b for a, b in zip(self.prefix[-1], ints(cost))))
-        self.min_last = 0 if lc.mtp else 1
-        self.seen: dict[tuple[int, ...], tuple] = {}
+        self.seen: dict[Split, tuple] = {}
 
-    def stage_costs(self, counts: tuple[int, ...]) -> list[tuple[int, ...]]:
+    def stage_costs(self, split: Split) -> list[tuple[int, ...]]:
         costs, start = [], 0
-        for s, n in enumerate(counts):
+        for n, fixed in zip(split.counts, self.fixed[split.loss_alone]):
             lo, hi = self.prefix[start], self.prefix[start + n]
-            cost = [b - a for a, b in zip(lo, hi)]
-            if s == 0:
-                cost = [a + b for a, b in zip(cost, self.head)]
-            if s == len(counts) - 1:
-                cost = [a + b for a, b in zip(cost, self.tail)]
-            costs.append(tuple(cost))
+            costs.append(tuple(b - a + f for a, b, f in zip(lo, hi, fixed)))
             start += n
         return costs
 
-    def key(self, counts: tuple[int, ...]) -> tuple:
+    def key(self, split: Split) -> tuple:
         """Shortest step (in units of 1 / (``unit`` x ``timer.scale``)) first, then the more
-        even split, then the order of the counts."""
-        if counts not in self.seen:
-            step = self.timer.makespan(self.timer.durations(self.stage_costs(counts)))
-            self.seen[counts] = (step, sum(n * n for n in counts), counts)
-        return self.seen[counts]
+        even split, then the order of the counts, then the loss with the MTP layers before the
+        loss alone."""
+        if split not in self.seen:
+            step = self.timer.makespan(self.timer.durations(self.stage_costs(split)))
+            self.seen[split] = (step, sum(n * n for n in split.counts), split)
+        return self.seen[split]
 
-    def moves(self, counts: tuple[int, ...]) -> list[tuple[int, int]]:
+    def moves(self, split: Split) -> list[tuple[int, int]]:
         """(from, to) stage pairs worth trying: neighbours, the two stages of one rank, from the
         busiest rank's stages and to the idlest rank's (all pairs would time S(S-1) splits per
-        step for about the same result)."""
-        busy = self.timer.busy(self.stage_costs(counts))
+        step for about the same result); never below a stage's floor nor into a loss alone."""
+        counts, floors = split.counts, self.floors[split.loss_alone]
+        busy = self.timer.busy(self.stage_costs(split))
         on_rank = [{s for _, s in self.timer.sched.stages_on(r)} for r in range(len(busy))]
         heavy, light = on_rank[busy.index(max(busy))], on_rank[busy.index(min(busy))]
-        last = len(counts) - 1
+        closed = len(counts) - 1 if split.loss_alone else None
         return [(a, b) for a in range(len(counts)) for b in range(len(counts))
-                if a != b and counts[a] > (self.min_last if a == last else 1)
+                if a != b and b != closed and counts[a] > floors[a]
                 and (abs(a - b) == 1 or a in heavy or b in light or any({a, b} <= r for r in on_rank))]
 
-    def descend(self, start: tuple[int, ...]) -> tuple:
+    def descend(self, start: Split) -> tuple:
         best = self.key(start)
         while True:
             current = best
             for a, b in self.moves(current[2]):
-                cand = tuple(n - (i == a) + (i == b) for i, n in enumerate(current[2]))
+                cand = Split(tuple(n - (i == a) + (i == b) for i, n in enumerate(current[2].counts)),
+                             start.loss_alone)
                 if cand not in self.seen:
                     bound = max(self.timer.busy(self.stage_costs(cand)))
-                    if (bound, sum(n * n for n in cand), cand) >= best:
+                    if (bound, sum(n * n for n in cand.counts), cand) >= best:
                         continue  # its step is at least its busiest rank's work
                 best = min(best, self.key(cand))
             if best == current:
                 return best
 
 
-def _balanced_counts(layer_costs: LayerCosts, stages: int) -> tuple[int, ...]:
+def _floors(stages: int, loss_alone: bool, mtp: bool, megatron: bool) -> tuple[int, ...]:
+    """Fewest decoder layers per stage: one, except that a stage with the MTP layers may hold
+    them alone (each is a transformer layer: DeepSeek-V3's ``mL``), Megatron's first stage may
+    hold the embedding alone, and a loss alone holds none."""
+    floors = [0 if megatron and s == 0 else 1 for s in range(stages)]
+    if mtp:
+        floors[-1 - loss_alone] = 0
+    if loss_alone:
+        floors[-1] = 0
+    return tuple(floors)
+
+
+def _balanced_counts(layer_costs: LayerCosts, floors: Sequence[int],
+                     loss_alone: bool = False) -> tuple[int, ...] | None:
     """The split whose heaviest stage (F + B per micro-batch) is lightest, by dynamic programming
-    over the first ``i`` layers in the first ``s + 1`` stages (each stage one layer or more)."""
-    L = layer_costs.num_layers
+    over the first ``i`` layers in the first ``s + 1`` stages (stage ``s`` holding ``floors[s]``
+    layers or more, a loss alone none); None when the floors need more layers than there are."""
+    L, stages = layer_costs.num_layers, len(floors)
     prefix = [Fraction(0)]
     for cost in layer_costs.decoder:
         prefix.append(prefix[-1] + cost.F + cost.B)
-    head = layer_costs.embedding.F + layer_costs.embedding.B
-    tail = sum((c.F + c.B for c in (*layer_costs.mtp, layer_costs.loss)), Fraction(0))
-    best = {i: (head + prefix[i], (i,)) for i in range(1, L - stages + 2)}
-    for s in range(1, stages):
-        extra = tail if s == stages - 1 else 0
-        best = {i: min((max(best[j][0], prefix[i] - prefix[j] + extra), best[j][1] + (i - j,))
-                       for j in range(s, i))
-                for i in range(s + 1, L - (stages - 1 - s) + 1)}
-    return best[L][1]
+    extra = [sum((c.F + c.B for c in parts), Fraction(0))
+             for parts in layer_costs.fixed_parts(stages, loss_alone)]
+    best: dict[int, tuple[Fraction, tuple[int, ...]]] = {0: (Fraction(0), ())}
+    for s in range(stages):
+        most = 0 if loss_alone and s == stages - 1 else L
+        reach = {}
+        for i in range(sum(floors[:s + 1]), L - sum(floors[s + 1:]) + 1):
+            options = [(max(best[j][0], prefix[i] - prefix[j] + extra[s]), best[j][1] + (i - j,))
+                       for j in best if floors[s] <= i - j <= most]
+            if options:
+                reach[i] = min(options)
+        best = reach
+    return best[L][1] if L in best else None
 
 
-def best_counts(sched: Schedule, layer_costs: LayerCosts, fb_ratio: Fraction, c: Fraction) -> tuple[int, ...]:
-    """Decoder layers per stage of ``sched`` (any schedule: its stages in model order) with the
-    shortest simulated step; the search of :func:`best_layout`."""
-    search = _Search(sched, layer_costs, fb_ratio, c)
-    even = tuple(even_counts(layer_costs.num_layers, sched.stages))
-    return min(search.descend(even), search.descend(_balanced_counts(layer_costs, sched.stages)))[2]
+def best_counts(sched: Schedule, layer_costs: LayerCosts, fb_ratio: Fraction, c: Fraction,
+                megatron: bool = False) -> Split:
+    """The split of ``sched``'s stages (any schedule: its stages in model order) with the
+    shortest simulated step; the search of :func:`best_layout`. ``megatron``: among the layouts
+    Megatron accepts (:class:`_Search`), the loss alone too. Each kind of tail starts from the
+    even split (where every stage can hold a layer) and from the one with the lightest heaviest
+    stage (where the floors fit)."""
+    search = _Search(sched, layer_costs, fb_ratio, c, megatron)
+    L, found = layer_costs.num_layers, []
+    for alone in search.tails:
+        open_stages = sched.stages - alone
+        if L >= open_stages:
+            found.append(search.descend(Split(tuple(even_counts(L, open_stages)) + (0,) * alone, alone)))
+        balanced = _balanced_counts(layer_costs, search.floors[alone], alone)
+        if balanced is not None:
+            found.append(search.descend(Split(balanced, alone)))
+    if not found:
+        raise ScheduleError(f"{L} decoder layers cannot give each of the {sched.stages} stages one")
+    return min(found)[2]
 
 
 def best_layout(schedule: str, ranks: int, microbatches: int, layer_costs: LayerCosts,
@@ -347,10 +420,10 @@ def best_layout(schedule: str, ranks: int, microbatches: int, layer_costs: Layer
     if ratio <= 0 or latency < 0:
         raise ScheduleError(f"fb_ratio must be > 0 and c >= 0, got {fb_ratio} and {c}")
     sched = build_schedule(schedule, ranks, microbatches)
-    counts = best_counts(sched, layer_costs, ratio, latency)
+    counts = best_counts(sched, layer_costs, ratio, latency).counts
     costs = stage_costs_for(sched, layer_costs, counts, ratio, latency)
     return layout_string(counts, len(layer_costs.mtp)), costs, simulate(sched, costs).makespan
 
 
-__all__ = ["LayerCosts", "SCHEDULES", "best_counts", "best_layout", "even_counts", "layout_string",
+__all__ = ["LayerCosts", "SCHEDULES", "Split", "best_counts", "best_layout", "even_counts", "layout_string",
            "parse_moe_layer_freq", "stage_costs_for"]
