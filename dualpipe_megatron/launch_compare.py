@@ -3,7 +3,8 @@
 For the parsed and checked command line: Megatron's 1F1B, its interleaved 1F1B with and without
 the all-to-all overlap at each virtual size 2-4 the layers allow (and with the layout search's
 split), ZB-V (an anchor: no training flag), and DualPipe and DualPipeV with the auto layout, the
-optimized order and, for DualPipeV, activation budgets of 3/4 and 1/2 of DeepSeek's order's peak.
+optimized order and, where no DualPipeV row fits ``--gpu-memory``, DualPipeV within activation
+budgets of 3/4 and 1/2 of DeepSeek's order's peak.
 Each row is the projection's (:func:`~.projection.project.project`, realistic placement of this
 model, its built-in costs or ``--op-costs``) with the memory of the launch plan: weights,
 gradients and optimizer state of the row's own stages per rank plus the saved activations of its
@@ -48,11 +49,13 @@ class Row:
                 "flags": self.flags, "fits": self.fits}
 
 
-def compared_variants(pp: int, num_layers: int) -> list[Variant]:
-    """The rows: the training schedules (and ZB-V), not the projection's other anchors."""
+def compared_variants(pp: int, num_layers: int, budgets: tuple[Fraction, ...] = ()) -> list[Variant]:
+    """The rows: the training schedules (and ZB-V), not the projection's other anchors; with
+    ``budgets``, only DualPipeV's rows within those activation budgets."""
     keep = ("1f1b", "interleaved", "zbv", "dualpipe auto", "dualpipev auto")
     chunks = [v for v in (2, 3, 4) if num_layers + 2 >= pp * v]
-    return [v for v in variants(chunks, auto_layout=True, budgets=BUDGETS) if v.label.startswith(keep)]
+    rows = [v for v in variants(chunks, auto_layout=True, budgets=budgets) if v.label.startswith(keep)]
+    return [v for v in rows if v.budget is not None] if budgets else rows
 
 
 def _flags(p: Projection) -> str:
@@ -96,11 +99,18 @@ def compare(args: argparse.Namespace, placement: Any, microbatches: int, gpu_mem
     the fastest row that fits ``gpu_memory`` GiB on every rank and has a training flag."""
     pp = args.pipeline_model_parallel_size
     rows, refused = [], []
-    for result in project(placement, pp, microbatches, compared_variants(pp, args.num_layers)):
-        if isinstance(result, ScheduleError):
-            refused.append(str(result))
-        else:
-            rows.append(row(args, result))
+
+    def add(chosen: list[Variant]) -> None:
+        for result in project(placement, pp, microbatches, chosen):
+            if isinstance(result, ScheduleError):
+                refused.append(str(result))
+            else:
+                rows.append(row(args, result))
+
+    add(compared_variants(pp, args.num_layers))
+    # Activation budgets (a slower search) only where they help: no DualPipeV row fits as it is.
+    if gpu_memory is not None and not any(r.schedule == "dualpipev" and max(r.peak_gib) <= gpu_memory for r in rows):
+        add(compared_variants(pp, args.num_layers, BUDGETS))
     rows.sort(key=lambda r: r.step_ms)
     if gpu_memory is None:
         return rows, refused, None
