@@ -28,6 +28,7 @@ demo: setup
 bench: setup
 	$(PY) bench/bench_megatron.py
 	$(PY) bench/budget_memory.py
+	$(PY) bench/activation_estimate.py
 	$(PY) bench/bench_runtime.py
 	$(PY) bench/trace_overhead.py
 	$(PY) bench/profiler_ranges_overhead.py

@@ -14,7 +14,10 @@ since the estimate assumes balanced routing (their max is in the JSON).
 Prints a markdown table and writes ``bench/results/activation_estimate.json``; exits non-zero
 when a rank's estimate is more than ``--tolerance`` (default 10%) off.
 
-Run: ``.venv/bin/python bench/activation_estimate.py [--only NAME ...]`` (~10 min here).
+Run: ``.venv/bin/python bench/activation_estimate.py [--only NAME ...]`` (~13 min here).
+``--from-dir DIR --world N -- ARGS`` instead reads a metered job's files (scripts/gpu_check.sh's
+``activation_memory`` section, on a GPU) and prints each rank's meter peak, CUDA peak and the
+plan's estimate for ARGS.
 """
 
 from __future__ import annotations
@@ -116,13 +119,35 @@ def measured(case: Case, work: Path) -> tuple[list[float], list[float]]:
 
 def estimated(case: Case) -> list[float]:
     """The launch plan's per-rank activation peaks for the same arguments."""
-    from dualpipe_megatron.launch_memory import activation_peaks, stage_activations
+    return estimate_for([*case.arguments(), *CPU_FLAGS], case.processes)
+
+
+def estimate_for(argv: list[str], world: int) -> list[float]:
+    """The launch plan's per-rank activation peaks for a job's arguments."""
+    from dualpipe_megatron.launch_memory import activation_peaks, overlapped_pairs, stage_activations
     from dualpipe_megatron.launch_plan import check, job_schedule, parse
     from dualpipe_megatron.megatron.auto_layout import microbatches
 
-    checked = check(parse([*case.arguments(), *CPU_FLAGS], case.processes))
+    checked = check(parse(argv, world))
     sched, stage_layers = job_schedule(checked, microbatches(checked.args))
-    return activation_peaks(sched, stage_activations(checked.args, stage_layers))
+    return activation_peaks(sched, stage_activations(checked.args, stage_layers),
+                            overlapped_pairs(checked.args, checked.args.pipeline_schedule))
+
+
+def from_dir(out: Path, argv: list[str], world: int) -> None:
+    """Each pipeline rank's last-step meter and CUDA peaks (mean over the ranks sharing it) against
+    the estimate for ``argv``."""
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    if not records:
+        raise SystemExit(f"no rank*.json in {out}: the metered job did not run a step")
+    print("| rank | meter (MiB) | CUDA peak over the step's start (MiB) | estimate (MiB) | estimate / meter |"
+          " estimate / CUDA |\n| --- | --- | --- | --- | --- | --- |")
+    for rank, want in enumerate(estimate_for(argv, world)):
+        mine = [r for r in records if r["pp_rank"] == rank]
+        meter = mean(r["peaks"][-1] for r in mine)
+        cuda = mean(r["cuda_peaks"][-1] for r in mine) if all(r.get("cuda_peaks") for r in mine) else None
+        print(f"| {rank} | {meter / MIB:.2f} | {'-' if cuda is None else f'{cuda / MIB:.2f}'} | {want / MIB:.2f} | "
+              f"{want / meter:.3f} | {'-' if cuda is None else f'{want / cuda:.3f}'} |")
 
 
 def table(rows: list[dict]) -> str:
@@ -139,7 +164,13 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="case names (model/schedule/recompute) or prefixes")
     parser.add_argument("--tolerance", type=float, default=0.10)
     parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--from-dir", type=Path, default=None, help="a metered job's DUALPIPE_METER_DIR")
+    parser.add_argument("--world", type=int, default=2, help="with --from-dir: the job's processes")
+    parser.add_argument("job", nargs="*", help="with --from-dir: -- and the job's arguments")
     ns = parser.parse_args()
+    if ns.from_dir is not None:
+        from_dir(ns.from_dir, ns.job, ns.world)
+        return
     cases = [c for c in CASES if ns.only is None or any(c.name.startswith(o) for o in ns.only)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="activation_estimate_") as tmp:

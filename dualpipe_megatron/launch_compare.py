@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .launch_memory import GIB, activation_peaks, rank_params, stage_activations, state_bytes
+from .launch_memory import GIB, activation_peaks, overlapped_pairs, rank_params, stage_activations, state_bytes
 from .projection.project import Projection, Variant, project, variants
 from .schedules.ir import ScheduleError
 
@@ -85,7 +85,8 @@ def _layer_types(layout: str) -> list[list[Any]]:
 def row(args: argparse.Namespace, p: Projection) -> Row:
     """A projected schedule with the job's memory on each rank."""
     stage_layers = _layer_types(p.layout)
-    peaks = activation_peaks(p.order, stage_activations(args, stage_layers))
+    overlap = overlapped_pairs(args, p.variant.generator, p.variant.megatron_pairs)
+    peaks = activation_peaks(p.order, stage_activations(args, stage_layers), overlap)
     state = [state_bytes(args, params) for params in rank_params(args, stage_layers, p.order)]
     step = float(p.result.makespan)
     tokens = args.global_batch_size * args.seq_length / (step / 1000) / args.world_size

@@ -24,7 +24,7 @@ from .projection import activations
 from .projection.activations import ChunkBytes
 from .projection.placement import Realistic
 from .projection.shapes import check_stage, dense_layers, stage_shape
-from .schedules.ir import B, F, Op, Schedule, W, halves
+from .schedules.ir import FB, B, F, Op, Schedule, W, halves
 from .schedules.model_shape import ModelShape
 
 GIB = 2**30
@@ -162,11 +162,27 @@ def rank_params(args: argparse.Namespace, stage_layers: list[list[LayerType]], s
     return [sum((stages[s] for _, s in sched.stages_on(rank)), Params()) for rank in range(sched.ranks)]
 
 
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+def _dtype_bytes(dtype: object) -> int:
+    """A dtype flag's bytes, as parsed (a name) or as Megatron's validate_args leaves it (a torch dtype)."""
+    return _DTYPE_BYTES[dtype] if isinstance(dtype, str) else dtype.itemsize
+
+
 def state_bytes(args: argparse.Namespace, params: Params) -> float:
     """Weights, gradients and optimizer state of ``params``: Megatron's bytes per parameter
-    (18; 6 + 12/DP with the distributed optimizer, experts over expert data parallel)."""
+    (18: bf16 weights, fp32 gradients, fp32 main weights and Adam moments; the last 12 over DP
+    with the distributed optimizer, experts' over expert data parallel), with the dtypes
+    ``--use-precision-aware-optimizer`` sets (``--main-grads-dtype``, ``--main-params-dtype``,
+    ``--exp-avg-dtype``, ``--exp-avg-sq-dtype``)."""
+    grads, optimizer = 4, 12
+    if getattr(args, "use_precision_aware_optimizer", False):
+        grads = _dtype_bytes(args.main_grads_dtype)
+        optimizer = sum(_dtype_bytes(d) for d in (args.main_params_dtype, args.exp_avg_dtype, args.exp_avg_sq_dtype))
+
     def per_param(dp: int) -> float:
-        return 6 + 12 / dp if args.use_distributed_optimizer else 18
+        return 2 + grads + optimizer / (dp if args.use_distributed_optimizer else 1)
 
     expert_dp = args.world_size // (args.pipeline_model_parallel_size * args.expert_model_parallel_size
                                     * (args.expert_tensor_parallel_size or 1))
@@ -205,8 +221,8 @@ def activation_options(args: argparse.Namespace) -> activations.Options:
     """The flags that decide saved bytes: ``--transformer-impl``, ``--bf16``/``--fp16``,
     ``--fp8-format``, ``--recompute-granularity`` with ``--recompute-modules`` (Megatron's default
     ``core_attn``) or ``--recompute-method``/``--recompute-num-layers``, TP, SP and CP, and the
-    fusions that change what is kept (softmax in fp32, SwiGLU fusion and its FP8 input store,
-    permute fusion, Transformer Engine's cross entropy)."""
+    fusions that change what is kept (softmax in fp32, SwiGLU fusion, permute fusion, Transformer
+    Engine's cross entropy)."""
     granularity = args.recompute_granularity
     modules = frozenset(args.recompute_modules or ["core_attn"]) if granularity == "selective" else frozenset()
     full = None
@@ -219,8 +235,8 @@ def activation_options(args: argparse.Namespace) -> activations.Options:
     return activations.Options(
         impl=impl, act_bytes=2 if (args.bf16 or args.fp16) else 4, fp8=bool(args.fp8), modules=modules, full=full,
         tp=args.tensor_model_parallel_size, sp=bool(args.sequence_parallel), cp=args.context_parallel_size,
-        softmax_fp32=bool(args.attention_softmax_in_fp32), fused_swiglu=bool(args.bias_swiglu_fusion),
-        fp8_act_input=bool(getattr(args, "activation_func_fp8_input_store", False)),
+        softmax_fp32=bool(args.attention_softmax_in_fp32), rms_norm=args.normalization == "RMSNorm",
+        fused_swiglu=bool(args.bias_swiglu_fusion),
         permute_fusion=bool(args.moe_permute_fusion),
         te_cross_entropy=bool(args.cross_entropy_loss_fusion) and args.cross_entropy_fusion_impl == "te")
 
@@ -244,32 +260,64 @@ def stage_activations(args: argparse.Namespace, stage_layers: list[list[LayerTyp
         held = (activations.mtp_bytes(shape, options, pattern[-1], weight_inputs=True) * mtp
                 + activations.head_bytes(shape, options, weight_inputs=True) * loss)
         embedding = activations.embedding_bytes(shape, options) * types.count(LayerType.embedding)
-        out.append(ChunkBytes(chunk.kept + heads + embedding, chunk.transient, heads, chunk.held + held))
+        # Rebuilding the layers comes after every head's backward; an MTP body's after its own head's.
+        rebuilt = max(chunk.rebuilt - heads, 0.0)
+        if mtp:
+            rebuilt = max(rebuilt, activations.mtp_rebuilt(shape, options, pattern[-1])
+                          - activations.head_bytes(shape, options))
+        out.append(ChunkBytes(chunk.kept + heads + embedding, rebuilt, chunk.held + held, chunk.held_last,
+                              embedding + (chunk.step or heads)))
         first += decoders
     return out
 
 
-def activation_peaks(sched: Schedule, stages: list[ChunkBytes]) -> list[float]:
-    """Each rank's peak saved bytes under ``sched``'s op order: its live micro-batches, each
-    weighing its stage's bytes from its F until its W (the simulator's count), plus the largest
-    group of layers a backward on that rank rebuilds under full recompute (less the heads that
-    backward has freed before)."""
-    return [_live_peak(ops, stages) + max((stages[s].rebuilt for _, s in sched.stages_on(r)), default=0.0)
-            for r, ops in enumerate(sched.ops)]
+def overlapped_pairs(args: argparse.Namespace, schedule: str, megatron_overlap: bool | None = None) -> bool:
+    """Whether ``schedule``'s F&B pairs run layer by layer for this job: a MoE model with expert
+    parallelism under our MoE F&B overlap (on unless --no-dualpipe-moe-overlap), or Megatron's
+    schedule under --overlap-moe-expert-parallel-comm (``megatron_overlap`` when given). Full
+    recompute and recompute of the whole ``moe`` module turn the overlap off (docs/deepseek_v3.md)."""
+    if not args.num_experts or args.expert_model_parallel_size < 2:
+        return False
+    if activation_options(args).full is not None or "moe" in activation_options(args).modules:
+        return False
+    if schedule in ("dualpipe", "dualpipev"):
+        return getattr(args, "dualpipe_moe_overlap", True)
+    if megatron_overlap is None:
+        megatron_overlap = bool(getattr(args, "overlap_moe_expert_parallel_comm", False))
+    return megatron_overlap
 
 
-def _live_peak(ops: list[Op], stages: list[ChunkBytes]) -> float:
-    """The most bytes a rank's ops keep at once: an F adds its stage's ``kept``; a B frees it,
-    or, leaving its weight gradients for a W, swaps it for ``held`` (the linears' inputs, rebuilt
-    if recomputed) until that W. Counted after each op's F, as the simulator counts."""
+def activation_peaks(sched: Schedule, stages: list[ChunkBytes], overlapped: bool = False) -> list[float]:
+    """Each rank's peak saved bytes under ``sched``'s op order (:func:`_live_peak`); with
+    ``overlapped`` its F&B pairs run layer by layer (the MoE F&B overlap)."""
+    return [_live_peak(ops, stages, overlapped) for ops in sched.ops]
+
+
+def _live_peak(ops: list[Op], stages: list[ChunkBytes], overlapped: bool = False) -> float:
+    """The most bytes a rank's ops keep at once. An F adds its stage's ``kept``. A B adds, while
+    it runs, what it rebuilds (recompute), beside the ``held`` it has already left for its W
+    under full recompute; then it frees ``kept``, or, leaving its weight gradients for a W,
+    swaps it for ``held`` (the linears' inputs and output gradients) until that W. An F&B pair
+    run layer by layer (``overlapped``) is at its highest one forward layer ahead of its
+    backward; otherwise the F runs whole first. Live micro-batches are the simulator's (d,s,m)
+    from F to W."""
     live = peak = 0.0
     for op in ops:
-        for h in halves(op):
-            if isinstance(h, F):
-                live += stages[h.key.s].kept
-            elif isinstance(h, B) and not h.w:
+        backs = [h for h in halves(op) if isinstance(h, B)]
+        if overlapped and isinstance(op, FB):
+            peak = max(peak, live + stages[op.f.key.s].step + stages[op.b.key.s].rebuilt)
+            live += stages[op.f.key.s].kept
+        else:
+            live += sum(stages[h.key.s].kept for h in halves(op) if isinstance(h, F))
+            peak = max(peak, live)
+            for h in backs:
+                stage = stages[h.key.s]
+                building = stage.held - stage.held_last if not h.w and stage.held_last else 0.0
+                peak = max(peak, live + building + stage.rebuilt)
+        for h in backs:
+            if not h.w:
                 live += stages[h.key.s].held - stages[h.key.s].kept
-        peak = max(peak, live)
+                peak = max(peak, live)
         for h in halves(op):
             if isinstance(h, W):
                 live -= stages[h.key.s].held
@@ -279,5 +327,6 @@ def _live_peak(ops: list[Op], stages: list[ChunkBytes]) -> float:
 
 
 __all__ = ["GIB", "GivenLayout", "ParamCounter", "Params", "activation_options", "activation_peaks",
-           "activation_shape", "decoder_counts", "moe_pattern", "padded_vocab", "projection_shapes", "rank_params",
+           "activation_shape", "decoder_counts", "moe_pattern", "overlapped_pairs", "padded_vocab", "projection_shapes",
+           "rank_params",
            "stage_activations", "stage_params", "state_bytes"]

@@ -271,7 +271,7 @@ def _tokens(args: argparse.Namespace, step_ms: float) -> float:
 def plan(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) -> tuple[list[str], Row]:
     """The plan's lines (sizes, checks, layout, per-rank memory, projected step) and its one row."""
     from .launch_compare import Row
-    from .launch_memory import GIB, activation_peaks, rank_params, stage_activations, state_bytes
+    from .launch_memory import GIB, activation_peaks, overlapped_pairs, rank_params, stage_activations, state_bytes
     from .megatron.auto_layout import microbatches
     from .megatron.topology import layout_text
     from .projection import ProjectionError
@@ -292,7 +292,7 @@ def plan(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) 
     else:
         how = "Megatron's split"
     lines.append(f"layout ({how}, {len(stage_layers)} stages): {layout_text(stage_layers)}")
-    peaks = activation_peaks(sched, stage_activations(args, stage_layers))
+    peaks = activation_peaks(sched, stage_activations(args, stage_layers), overlapped_pairs(args, schedule))
     result, why = None, ""
     try:
         result = _projection(args, sched, stage_layers, options.max_activations if options else None,

@@ -17,6 +17,10 @@
 #                  op-order search shared by the two ranks (gathers over NCCL), against one process
 #   megatron_pp2   scripts/pretrain_gpt.py --pipeline-schedule dualpipev, PP=2, tiny GPT, 2 ranks
 #                  on cuda:0, 3 iterations, mock data, local transformer implementation
+#   activation_memory
+#                  megatron_pp2's job in bf16 under bench/metered_pretrain.py: each rank's activation
+#                  meter peak and torch.cuda.max_memory_allocated over the step against the launch
+#                  plan's estimate for the same arguments (activation_memory.md)
 #   megatron_lm_pp2
 #                  Megatron-LM 0.19's own pretrain_gpt.py (from $MEGATRON_LM_DIR, default .megatron_lm/:
 #                  the fetched core_r0.19.0 files, carried, never committed) through
@@ -362,6 +366,32 @@ if [[ $rc != "$SKIPPED" ]]; then
                  "Makefile); scripts/pretrain_gpt.py replaces it only when CUDA is absent (cpu_compat)"
         fi
         record megatron_pp2 FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT"), $loss_lines of 3 lines with lm and mtp_1 loss, $errors tracebacks"
+    fi
+fi
+
+# -- Activation memory: the launch plan's estimate against the GPU's allocator ----------------------
+header "activation_memory"
+# megatron_pp2's job (local layers, bf16, DualPipeV at PP=2) under bench/metered_pretrain.py: every
+# step under the activation meter and torch.cuda.max_memory_allocated; then each rank's peaks
+# against the plan's estimate for the same arguments (bench/activation_estimate.py --from-dir).
+# The CUDA peak also holds a step's gradients and temporaries, so it sits above the estimate.
+log="$OUT_DIR/activation_memory.log"
+MEM_ARGS=("${MODEL[@]}" "${PARALLEL[@]}" --bf16)
+PRETRAIN_SCRIPT=(bench/metered_pretrain.py)
+DUALPIPE_METER_DIR="$SCRATCH/meter" pretrain_two_ranks activation_memory "$log" "${MEM_ARGS[@]}"
+rc=$?
+PRETRAIN_SCRIPT=(scripts/pretrain_gpt.py)
+if [[ $rc != "$SKIPPED" ]]; then
+    extra=()
+    if [[ "$DRY_RUN" == 1 ]]; then extra=("${CPU_ONLY[@]}"); fi
+    if [[ $rc == 0 ]] && "$PY" bench/activation_estimate.py --from-dir "$SCRATCH/meter" --world 2 -- \
+            "${NO_FUSIONS[@]}" "${extra[@]}" "${DATA[@]}" "${TRAIN[@]}" "${MEM_ARGS[@]}" \
+            > "$OUT_DIR/activation_memory.md" 2>>"$log"; then
+        cat "$OUT_DIR/activation_memory.md"
+        record activation_memory PASS "$WHAT: peaks per rank against the plan's estimate in activation_memory.md"
+    else
+        show_tail "$log" 40
+        record activation_memory FAIL "$WHAT: $(why_failed $rc "$MEGATRON_TIMEOUT")"
     fi
 fi
 

@@ -41,7 +41,7 @@ def test_recompute_drops_exactly_the_named_modules_terms() -> None:
     uniform = activations.Options(impl="local", full=("uniform", 2))
     chunk = activations.decoder_bytes(SHAPE, uniform, [False] * 4)
     assert chunk.kept == 2 * activations.layer_input_bytes(SHAPE, uniform)
-    assert chunk.transient == 2 * activations.layer_bytes(SHAPE, uniform, False)
+    assert chunk.rebuilt == 2 * activations.layer_bytes(SHAPE, uniform, False)
 
 
 def test_unknown_recompute_module_or_implementation_is_refused() -> None:

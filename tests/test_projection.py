@@ -19,7 +19,7 @@ from dualpipe_megatron.projection import (
 from dualpipe_megatron.projection.cli import main
 from dualpipe_megatron.projection.comm import a2a_transfer_ms
 from dualpipe_megatron.projection.costs import compute_ms, overlapped_fb
-from dualpipe_megatron.projection.count import _built
+from dualpipe_megatron.projection.count import _params
 from dualpipe_megatron.projection.placement import FromFile, Realistic, Uniform, megatron_counts
 from dualpipe_megatron.projection.project import VARIANTS, build_variant, variants
 from dualpipe_megatron.schedules import FB, F, Costs, ScheduleError, build_schedule, simulate
@@ -113,8 +113,8 @@ def test_counts_split_backward_and_scale_with_layers() -> None:
     assert one.B == one.B_input + one.W and 0 < one.W < one.B
     assert (two.F, two.B, two.W, two.saved_bytes, two.params) == (
         2 * one.F, 2 * one.B, 2 * one.W, 2 * one.saved_bytes, 2 * one.params)
-    # Two layers built and counted give what count_chunk multiplies out from one.
-    assert _built(replace(TINY, num_layers=2), torch.bfloat16) == (two.saved_bytes, two.params)
+    # Two layers built give the parameters count_chunk multiplies out from one.
+    assert _params(replace(TINY, num_layers=2), torch.bfloat16) == two.params
 
 
 def test_compute_ms_scales_by_flops_and_rebases() -> None:

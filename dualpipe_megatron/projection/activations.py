@@ -43,7 +43,9 @@ class Term:
     split: str = "tp"  # "tp": shared over TP ranks; "seq": only under sequence parallelism
     module: str | None = None  # the --recompute-modules entry that drops it
     source: str = LOCAL_SOURCE
-    weight_input: bool = False  # a linear's input: its deferred weight gradient (W) holds it
+    # A linear's input: a weight gradient left for later (W) holds it and the gradient of the
+    # linear's output, ``grad_out`` bytes per token; None for any other tensor.
+    grad_out: float | None = None
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,8 @@ class Options:
     sp: bool = False
     cp: int = 1
     softmax_fp32: bool = False  # --attention-softmax-in-fp32 (unfused attention only)
+    rms_norm: bool = True  # --normalization RMSNorm (else LayerNorm)
     fused_swiglu: bool = True  # --bias-swiglu-fusion (Megatron's default): SwiGLU keeps only its input
-    fp8_act_input: bool = False  # --activation-func-fp8-input-store: SwiGLU's input in FP8
     permute_fusion: bool = False  # --moe-permute-fusion: TE's [tokens, 2E+1] int32 map
     te_cross_entropy: bool = False  # --cross-entropy-fusion-impl te: bf16 logits instead of fp32
 
@@ -82,28 +84,37 @@ class Options:
         return 1 if self.fp8 and self.te else self.act_bytes
 
 
+def _own_norm_bytes(o: Options, width: int) -> int:
+    """What a norm keeps of its own. Local RMSNorm (torch's) computes in fp32 and keeps the fp32
+    input and normalized values and the fp32 reciprocal RMS; local LayerNorm (torch's fused one)
+    its input and mean and reciprocal std in the activation dtype. Transformer Engine: the input in
+    the activation dtype and fp32 rsigma (and mu for LayerNorm)."""
+    if o.te:
+        return width * o.act_bytes + FP32 * (1 if o.rms_norm else 2)
+    return 2 * width * FP32 + FP32 if o.rms_norm else (width + 2) * o.act_bytes
+
+
 def _norm(o: Options, width: int, name: str) -> list[Term]:
     """A norm inside an attention block (q/kv latents, final, MTP): its own saved tensors; its
-    output is the next linear's input, counted there. Local: torch's RMSNorm computes in fp32 and
-    keeps the fp32 input and normalized values and the fp32 reciprocal RMS. Transformer Engine:
-    the input in the activation dtype and fp32 rsigma."""
-    if o.te:
-        return [Term(name, width * o.act_bytes + FP32, "seq", None, TE_SOURCE)]
-    return [Term(name, 2 * width * FP32 + FP32, "seq")]
+    output is the next linear's input, counted there."""
+    return [Term(name, _own_norm_bytes(o, width), "seq", None, TE_SOURCE if o.te else LOCAL_SOURCE)]
 
 
-def _block_norm(o: Options, width: int, name: str, fused: bool) -> list[Term]:
+def _block_norm(o: Options, width: int, name: str, fused: bool, out_width: int) -> list[Term]:
     """A layer's input or pre-MLP norm and its output (the next linear's input), as
     ``--recompute-modules layernorm`` treats them: Megatron recomputes a norm that is a module of
     its own (never one Transformer Engine fuses into the next linear, ``fused``), keeping its
     input and discarding its output. Local: the fp32 internals go, the kept input replaces the
     discarded output. Transformer Engine: the output goes (its input is kept either way), unless
-    FP8, where the next linears keep their own FP8 copies of it, which the recompute leaves."""
+    FP8, where the next linears keep their own FP8 copies of it, which the recompute leaves.
+    ``out_width``: the outputs of the linears that read it."""
+    grad = out_width * o.act_bytes
     out = f"{name} output (linear input)"
     if o.te:
-        return [Term(name, width * o.act_bytes + FP32, "seq", None, TE_SOURCE),
-                Term(out, width * o.stored(), "seq", None if fused or o.fp8 else "layernorm", TE_SOURCE, True)]
-    return [Term(name, 2 * width * FP32 + FP32, "seq", "layernorm"), Term(out, width * o.act_bytes, "seq", weight_input=True)]
+        return [Term(name, _own_norm_bytes(o, width), "seq", None, TE_SOURCE),
+                Term(out, width * o.stored(), "seq", None if fused or o.fp8 else "layernorm", TE_SOURCE, grad)]
+    return [Term(name, _own_norm_bytes(o, width), "seq", "layernorm"),
+            Term(out, width * o.act_bytes, "seq", grad_out=grad)]
 
 
 def _rope(s: ModelShape, o: Options, rotary: int) -> list[Term]:
@@ -128,23 +139,26 @@ def attention(s: ModelShape, o: Options) -> list[Term]:
     """Input norm, attention (MLA or multi-head/grouped-query) and output projection's input."""
     a, n = o.act_bytes, s.heads
     # Transformer Engine fuses the input norm into the qkv linear, except under MLA (two consumers).
-    terms = _block_norm(o, s.hidden, "input norm", fused=not s.mla)
+    d = s.kv_channels or s.hidden // n
+    groups = s.query_groups or n
+    qk = s.qk_head_dim + s.qk_pos_dim
+    first = ((s.q_lora_rank or n * qk) + s.kv_lora_rank + s.qk_pos_dim) if s.mla else (n + 2 * groups) * d
+    terms = _block_norm(o, s.hidden, "input norm", not s.mla, first)
     if s.mla:
-        qk = s.qk_head_dim + s.qk_pos_dim
         q_lora = s.q_lora_rank or 0
         if o.te and o.fp8:  # the q and kv down-projections each keep an FP8 copy of the norm output
-            terms.append(Term("second FP8 copy of the input norm output", s.hidden, "seq", None, TE_SOURCE, True))
+            terms.append(Term("second FP8 copy of the input norm output", s.hidden, "seq", None, TE_SOURCE, 0.0))
         if q_lora:
-            terms += _norm(o, q_lora, "q latent norm") + [Term("q up-projection input", q_lora * o.stored(), "seq", weight_input=True)]
+            terms += _norm(o, q_lora, "q latent norm") + [
+                Term("q up-projection input", q_lora * o.stored(), "seq", grad_out=n * qk * a)]
         terms += _norm(o, s.kv_lora_rank, "kv latent norm")
-        terms.append(Term("kv up-projection input", s.kv_lora_rank * o.stored(), "seq", weight_input=True))
+        terms.append(Term("kv up-projection input", s.kv_lora_rank * o.stored(), "seq",
+                          grad_out=n * (s.qk_head_dim + s.v_head_dim) * a))
         terms += _rope(s, o, s.qk_pos_dim)
         terms.append(Term("q, k, v (attention core inputs)", n * (2 * qk + s.v_head_dim) * a, "tp", "mla_up_proj",
                           TE_SOURCE if o.te else LOCAL_SOURCE))
         heads_out = n * s.v_head_dim
     else:
-        d = s.kv_channels or s.hidden // n
-        groups = s.query_groups or n
         terms += _rope(s, o, d)
         # Local: the fused qkv output, the rotated q and k, and the batched-matmul copies of q and k
         # (measured as 5 x heads x head dim with groups = heads). TE: q, k, v once.
@@ -157,41 +171,43 @@ def attention(s: ModelShape, o: Options) -> list[Term]:
         terms.append(Term("softmax log-sum-exp", n * FP32, "tp", "core_attn", TE_SOURCE))
     # The flash kernel keeps its output, which the projection saves as its input (the same tensor).
     terms.append(Term("attention output (projection input)", heads_out * a, "tp", None,
-                      TE_SOURCE if o.te else LOCAL_SOURCE, True))
+                      TE_SOURCE if o.te else LOCAL_SOURCE, s.hidden * a))
     return terms
 
 
-def _swiglu(o: Options, width: int, copies: float, name: str, module: str | None,
+def _swiglu(o: Options, width: int, hidden: int, copies: float, name: str, module: str | None,
             down_module: str | None = None) -> list[Term]:
     """A gated MLP's activation and its down-projection's input, for ``copies`` rows per token.
-    Megatron's fused SwiGLU keeps only its input (the fc1 output, 2 x width; FP8 under
-    --activation-func-fp8-input-store); unfused, the fc1 output, silu and product tensors
-    (4 x width, measured). ``down_module`` drops the down-projection's input alone (moe_act)."""
-    act = 2 * width * (1 if o.fp8_act_input else o.act_bytes) if o.fused_swiglu else 4 * width * o.act_bytes
+    Megatron's fused SwiGLU keeps only its input (the fc1 output, 2 x width, in the activation
+    dtype even under FP8: 0.19's training flags cannot ask for its FP8 store); unfused, the fc1
+    output, silu and product tensors (4 x width, measured). ``down_module`` drops the down-projection's input alone (moe_act)."""
+    act = (2 if o.fused_swiglu else 4) * width * o.act_bytes
     return [Term(f"{name} activation", copies * act, "tp", module, TE_SOURCE if o.te else LOCAL_SOURCE),
             Term(f"{name} down-projection input", copies * width * o.stored(), "tp", down_module or module,
-                 TE_SOURCE if o.te else LOCAL_SOURCE, True)]
+                 TE_SOURCE if o.te else LOCAL_SOURCE, copies * hidden * o.act_bytes)]
 
 
 def mlp(s: ModelShape, o: Options, moe: bool) -> list[Term]:
     """Pre-MLP norm, then the dense MLP or the MoE layer (router, dispatch, experts, shared experts)."""
     # Transformer Engine fuses the pre-MLP norm into a dense MLP's first linear, not into MoE.
-    terms = _block_norm(o, s.hidden, "pre-MLP norm", fused=not moe)
+    fc1 = (2 if s.gated else 1) * s.dense_ffn if not moe else 2 * s.shared_ffn
+    terms = _block_norm(o, s.hidden, "pre-MLP norm", not moe, fc1)
     if not moe:
         if s.gated:
-            return terms + _swiglu(o, s.dense_ffn, 1, "MLP", "mlp")
-        return terms + [Term("MLP activation", 2 * s.dense_ffn * o.act_bytes, "tp", "mlp"),
-                        Term("MLP down-projection input", s.dense_ffn * o.stored(), "tp", "mlp", weight_input=True)]
+            return terms + _swiglu(o, s.dense_ffn, s.hidden, 1, "MLP", "mlp")
+        return terms + [Term("MLP activation (its input)", s.dense_ffn * o.act_bytes, "tp", "mlp"),
+                        Term("MLP down-projection input", s.dense_ffn * o.stored(), "tp", "mlp",
+                             grad_out=s.hidden * o.act_bytes)]
     k, fe = s.topk, s.expert_ffn
     maps = ((2 * s.experts + 1) * 4 if o.permute_fusion else 2 * k * INT64) if o.te else 5 * k * INT64
     terms += [Term("router logits, scores, top-k", s.experts * FP32 + k * (INT64 + FP32) + FP32, "seq", "moe"),
               Term("token permutation maps", maps, "seq", "moe", TE_SOURCE if o.te else LOCAL_SOURCE),
               Term("dispatched tokens (experts' input)", k * s.hidden * o.stored(), "seq", "moe",
-                   TE_SOURCE if o.te else LOCAL_SOURCE, True),
+                   TE_SOURCE if o.te else LOCAL_SOURCE, k * 2 * fe * o.act_bytes),
               Term("routing probabilities", k * FP32, "seq", "moe")]
-    terms += _swiglu(o, fe, k, "expert", "moe", "moe_act")
+    terms += _swiglu(o, fe, s.hidden, k, "expert", "moe", "moe_act")
     if s.shared_ffn:
-        terms += _swiglu(o, s.shared_ffn, 1, "shared expert", "shared_experts")
+        terms += _swiglu(o, s.shared_ffn, s.hidden, 1, "shared expert", "shared_experts")
     # Recomputing the whole MoE layer drops the shared experts and the experts' activations too.
     return [replace(t, module="moe") if t.module in ("shared_experts", "moe_act") and "moe" in o.modules else t
             for t in terms]
@@ -200,30 +216,36 @@ def mlp(s: ModelShape, o: Options, moe: bool) -> list[Term]:
 def head(s: ModelShape, o: Options) -> list[Term]:
     """Final norm, output layer input and the loss's fp32 logits (each output head)."""
     return _norm(o, s.hidden, "final norm") + [
-        Term("output layer input", s.hidden * o.stored(), "seq", None, TE_SOURCE if o.te else LOCAL_SOURCE, True),
+        Term("output layer input", s.hidden * o.stored(), "seq", None, TE_SOURCE if o.te else LOCAL_SOURCE,
+             s.vocab * o.act_bytes),
         Term("logits (cross entropy)", s.vocab * (o.act_bytes if o.te_cross_entropy else FP32), "tp")]
 
 
-def mtp(s: ModelShape, o: Options, moe: bool) -> list[Term]:
-    """One MTP module: norms of the hidden state and of the shifted embedding, the projection of
-    both, a transformer layer like the model's last, and its own output head."""
+def mtp_body(s: ModelShape, o: Options, moe: bool) -> list[Term]:
+    """One MTP module before its output head: norms of the hidden state and of the shifted
+    embedding, the projection of both and a transformer layer like the model's last."""
     return (_norm(o, s.hidden, "MTP hidden norm") + _norm(o, s.hidden, "MTP embedding norm")
-            + [Term("MTP projection input", 2 * s.hidden * o.stored(), "seq", weight_input=True)]
-            + attention(s, o) + mlp(s, o, moe) + head(s, o))
+            + [Term("MTP projection input", 2 * s.hidden * o.stored(), "seq", grad_out=s.hidden * o.act_bytes)]
+            + attention(s, o) + mlp(s, o, moe))
+
+
+def mtp(s: ModelShape, o: Options, moe: bool) -> list[Term]:
+    """One MTP module with its own output head."""
+    return mtp_body(s, o, moe) + head(s, o)
 
 
 def kept(terms: Iterable[Term], o: Options, weight_inputs: bool = False) -> float:
     """Bytes per token the terms keep on one rank: recomputed ones dropped, parallelism applied.
     With ``weight_inputs``, what a backward that left its weight gradients for later (B then W)
-    holds until W: every linear's input, the recomputed ones rebuilt by that backward."""
+    holds until W: every linear's input and output gradient, recomputed inputs rebuilt."""
     total = 0.0
     for t in terms:
-        if weight_inputs and not t.weight_input:
+        if weight_inputs and t.grad_out is None:
             continue
         if not weight_inputs and t.module is not None and t.module in o.modules:
             continue
         share = o.tp if t.split == "tp" or (t.split == "seq" and o.sp) else 1
-        total += t.per_token / share
+        total += (t.per_token + (t.grad_out or 0.0) * weight_inputs) / share
     return total
 
 
@@ -245,19 +267,15 @@ def layer_input_bytes(s: ModelShape, o: Options) -> float:
 
 @dataclass(frozen=True)
 class ChunkBytes:
-    """A model chunk's saved bytes per micro-batch; the extra a backward rebuilds at once under
-    full recompute (one group of layers, alive only while its backward runs); and the bytes of
-    the chunk's output heads (loss, MTP), which that backward has already freed by then."""
+    """A model chunk's saved bytes per micro-batch; what its backward rebuilds at once under full
+    recompute (one group of layers, alive only while that backward runs, over what it has freed
+    by then); and what its deferred weight gradients hold."""
 
     kept: float
-    transient: float
-    heads: float = 0.0
+    rebuilt: float
     held: float = 0.0  # from a B that left its weight gradients until their W (:func:`kept`)
-
-    @property
-    def rebuilt(self) -> float:
-        """What a backward on this chunk adds to the live bytes at its highest."""
-        return max(0.0, self.transient - self.heads)
+    held_last: float = 0.0  # of those, the part of the group a recomputing backward rebuilds last
+    step: float = 0.0  # what its forward keeps layer by layer beside an overlapped backward: one layer
 
 
 def decoder_bytes(s: ModelShape, o: Options, moe_layers: list[bool]) -> ChunkBytes:
@@ -267,16 +285,20 @@ def decoder_bytes(s: ModelShape, o: Options, moe_layers: list[bool]) -> ChunkByt
     per = [layer_bytes(s, o, m) for m in moe_layers]
     held = sum(layer_bytes(s, o, m, weight_inputs=True) for m in moe_layers)
     if o.full is None or not per:
-        return ChunkBytes(sum(per), 0.0, 0.0, held)
+        # Selective recompute rebuilds one layer's recomputed modules at a time.
+        whole = replace(o, modules=frozenset())
+        rebuilt = max((layer_bytes(s, whole, m) - b for m, b in zip(moe_layers, per)), default=0.0)
+        return ChunkBytes(sum(per), rebuilt, held, 0.0, max(per, default=0.0))
     method, n = o.full
     inputs = layer_input_bytes(s, o)
     if method == "uniform":
         groups = [per[i:i + n] for i in range(0, len(per), n)]
-        return ChunkBytes(len(groups) * inputs, max(sum(g) for g in groups), 0.0, held)
+        return ChunkBytes(len(groups) * inputs, max(sum(g) for g in groups), held, held * len(groups[0]) / len(per),
+                          inputs)
     # The chunk's first n layers: their backward runs last, after the rest have freed theirs.
     recomputed, rest = per[:n], per[n:]
     return ChunkBytes(len(recomputed) * inputs + sum(rest), max(0.0, max(recomputed, default=0.0) - sum(rest)),
-                      0.0, held)
+                      held, held * len(recomputed) / len(per), max(rest, default=inputs))
 
 
 def embedding_bytes(s: ModelShape, o: Options) -> float:
@@ -289,9 +311,18 @@ def head_bytes(s: ModelShape, o: Options, weight_inputs: bool = False) -> float:
 
 
 def mtp_bytes(s: ModelShape, o: Options, moe: bool, weight_inputs: bool = False) -> float:
+    """One MTP module's saved bytes; under full recompute Megatron checkpoints its body, keeping
+    the hidden state and the embedding it starts from (:func:`mtp_rebuilt` while rebuilt)."""
+    if o.full is not None and not weight_inputs:
+        return (2 * layer_input_bytes(s, o)) + head_bytes(s, o)
     return kept(mtp(s, o, moe), o, weight_inputs) * tokens(s, o)
+
+
+def mtp_rebuilt(s: ModelShape, o: Options, moe: bool) -> float:
+    """What a backward rebuilds of one MTP module at once under full recompute (its body)."""
+    return kept(mtp_body(s, o, moe), o) * tokens(s, o) if o.full is not None else 0.0
 
 
 __all__ = ["ChunkBytes", "IMPLS", "Options", "SELECTIVE_MODULES", "Term", "attention", "decoder_bytes",
            "embedding_bytes", "head", "head_bytes", "kept", "layer_bytes", "layer_input_bytes", "mlp", "mtp",
-           "mtp_bytes", "tokens"]
+           "mtp_body", "mtp_bytes", "mtp_rebuilt", "tokens"]
