@@ -49,11 +49,13 @@ class Row:
                 "flags": self.flags, "fits": self.fits}
 
 
-def compared_variants(pp: int, num_layers: int, budgets: tuple[Fraction, ...] = ()) -> list[Variant]:
+def compared_variants(pp: int, stage_layers: int, budgets: tuple[Fraction, ...] = ()) -> list[Variant]:
     """The rows: the training schedules (and ZB-V), not the projection's other anchors; with
-    ``budgets``, only DualPipeV's rows within those activation budgets."""
+    ``budgets``, only DualPipeV's rows within those activation budgets. Interleaving needs a
+    stage for each virtual stage: at most ``stage_layers`` (decoder and MTP layers, embedding and
+    loss each alone)."""
     keep = ("1f1b", "interleaved", "zbv", "dualpipe auto", "dualpipev auto")
-    chunks = [v for v in (2, 3, 4) if num_layers + 2 >= pp * v]
+    chunks = [v for v in (2, 3, 4) if stage_layers >= pp * v]
     rows = [v for v in variants(chunks, auto_layout=True, budgets=budgets) if v.label.startswith(keep)]
     return [v for v in rows if v.budget is not None] if budgets else rows
 
@@ -108,10 +110,11 @@ def compare(args: argparse.Namespace, placement: Any, microbatches: int, gpu_mem
             else:
                 rows.append(row(args, result))
 
-    add(compared_variants(pp, args.num_layers))
+    most = args.num_layers + (args.mtp_num_layers or 0) + 2
+    add(compared_variants(pp, most))
     # Activation budgets (a slower search) only where they help: no DualPipeV row fits as it is.
     if gpu_memory is not None and not any(r.schedule == "dualpipev" and max(r.peak_gib) <= gpu_memory for r in rows):
-        add(compared_variants(pp, args.num_layers, BUDGETS))
+        add(compared_variants(pp, most, BUDGETS))
     rows.sort(key=lambda r: r.step_ms)
     if gpu_memory is None:
         return rows, refused, None
