@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .launch_memory import GIB, activation_peaks, overlapped_pairs, rank_params, stage_activations, state_bytes
+from .launch_memory import GIB, overlapped_pairs, rank_memory
 from .projection.project import Projection, Variant, project, variants
 from .schedules.ir import ScheduleError
 
 BUDGETS = (Fraction(3, 4), Fraction(1, 2))
-SCHEDULE_OF = {"1f1b": "1f1b", "interleaved": "interleaved", "zbv": "zbv", "dualpipe": "dualpipe",
-               "dualpipev": "dualpipev"}
 
 
 @dataclass(frozen=True)
@@ -87,13 +85,12 @@ def _layer_types(layout: str) -> list[list[Any]]:
 def row(args: argparse.Namespace, p: Projection) -> Row:
     """A projected schedule with the job's memory on each rank."""
     stage_layers = _layer_types(p.layout)
-    overlap = overlapped_pairs(args, p.variant.generator, p.variant.megatron_pairs)
-    peaks = activation_peaks(p.order, stage_activations(args, stage_layers), overlap)
-    state = [state_bytes(args, params) for params in rank_params(args, stage_layers, p.order)]
+    peaks, totals = rank_memory(args, p.order, stage_layers,
+                                overlapped_pairs(args, p.variant.generator, p.variant.megatron_pairs))
     step = float(p.result.makespan)
     tokens = args.global_batch_size * args.seq_length / (step / 1000) / args.world_size
-    return Row(p.variant.label, SCHEDULE_OF[p.variant.generator], p.variant.chunks, p.layout, step, tokens,
-               [a / GIB for a in peaks], [(a + s) / GIB for a, s in zip(peaks, state)], _flags(p))
+    return Row(p.variant.label, p.variant.generator, p.variant.chunks, p.layout, step, tokens,
+               [a / GIB for a in peaks], [t / GIB for t in totals], _flags(p))
 
 
 def compare(args: argparse.Namespace, placement: Any, microbatches: int, gpu_memory: float | None

@@ -278,7 +278,8 @@ def overlapped_pairs(args: argparse.Namespace, schedule: str, megatron_overlap: 
     recompute and recompute of the whole ``moe`` module turn the overlap off (docs/deepseek_v3.md)."""
     if not args.num_experts or args.expert_model_parallel_size < 2:
         return False
-    if activation_options(args).full is not None or "moe" in activation_options(args).modules:
+    options = activation_options(args)
+    if options.full is not None or "moe" in options.modules:
         return False
     if schedule in ("dualpipe", "dualpipev"):
         return getattr(args, "dualpipe_moe_overlap", True)
@@ -291,6 +292,15 @@ def activation_peaks(sched: Schedule, stages: list[ChunkBytes], overlapped: bool
     """Each rank's peak saved bytes under ``sched``'s op order (:func:`_live_peak`); with
     ``overlapped`` its F&B pairs run layer by layer (the MoE F&B overlap)."""
     return [_live_peak(ops, stages, overlapped) for ops in sched.ops]
+
+
+def rank_memory(args: argparse.Namespace, sched: Schedule, stage_layers: list[list[LayerType]], overlapped: bool
+                ) -> tuple[list[float], list[float]]:
+    """Each rank's peak activation bytes under ``sched``, and its total with its stages' weights,
+    gradients and optimizer state."""
+    peaks = activation_peaks(sched, stage_activations(args, stage_layers), overlapped)
+    state = [state_bytes(args, params) for params in rank_params(args, stage_layers, sched)]
+    return peaks, [a + b for a, b in zip(peaks, state)]
 
 
 def _live_peak(ops: list[Op], stages: list[ChunkBytes], overlapped: bool = False) -> float:

@@ -271,7 +271,7 @@ def _tokens(args: argparse.Namespace, step_ms: float) -> float:
 def plan(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) -> tuple[list[str], Row]:
     """The plan's lines (sizes, checks, layout, per-rank memory, projected step) and its one row."""
     from .launch_compare import Row
-    from .launch_memory import GIB, activation_peaks, overlapped_pairs, rank_params, stage_activations, state_bytes
+    from .launch_memory import GIB, overlapped_pairs, rank_memory
     from .megatron.auto_layout import microbatches
     from .megatron.topology import layout_text
     from .projection import ProjectionError
@@ -292,7 +292,7 @@ def plan(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) 
     else:
         how = "Megatron's split"
     lines.append(f"layout ({how}, {len(stage_layers)} stages): {layout_text(stage_layers)}")
-    peaks = activation_peaks(sched, stage_activations(args, stage_layers), overlapped_pairs(args, schedule))
+    peaks, totals = rank_memory(args, sched, stage_layers, overlapped_pairs(args, schedule))
     result, why = None, ""
     try:
         result = _projection(args, sched, stage_layers, options.max_activations if options else None,
@@ -301,11 +301,10 @@ def plan(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) 
         why = str(exc)
     lines += _memory_lines(args, sched, stage_layers, peaks)
     lines.append(_step_line(args, result, _order(args, options), why, op_costs))
-    state = [state_bytes(args, params) for params in rank_params(args, stage_layers, sched)]
     step = float(result.result.makespan) if result else float("nan")
     vp = args.virtual_pipeline_model_parallel_size if schedule == "interleaved" else None
     return lines, Row(schedule, schedule, vp, layout_text(stage_layers), step, _tokens(args, step),
-                      [a / GIB for a in peaks], [(a + b) / GIB for a, b in zip(peaks, state)], "")
+                      [a / GIB for a in peaks], [t / GIB for t in totals], "")
 
 
 def report(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) -> list[str]:
