@@ -82,14 +82,18 @@ def _layer_types(layout: str) -> list[list[Any]]:
             for stage in PipelineParallelLayerLayout.parse_str_to_list(layout)]
 
 
+def tokens_per_s_per_gpu(args: argparse.Namespace, step_ms: float) -> float:
+    """The job's global batch of tokens over ``step_ms``, per GPU of the world."""
+    return args.global_batch_size * args.seq_length / (step_ms / 1000) / args.world_size
+
+
 def row(args: argparse.Namespace, p: Projection) -> Row:
     """A projected schedule with the job's memory on each rank."""
     stage_layers = _layer_types(p.layout)
     peaks, totals = rank_memory(args, p.order, stage_layers,
                                 overlapped_pairs(args, p.variant.generator, p.variant.megatron_pairs))
     step = float(p.result.makespan)
-    tokens = args.global_batch_size * args.seq_length / (step / 1000) / args.world_size
-    return Row(p.variant.label, p.variant.generator, p.variant.chunks, p.layout, step, tokens,
+    return Row(p.variant.label, p.variant.generator, p.variant.chunks, p.layout, step, tokens_per_s_per_gpu(args, step),
                [a / GIB for a in peaks], [t / GIB for t in totals], _flags(p))
 
 
@@ -137,4 +141,4 @@ def markdown(rows: list[Row], refused: list[str], best: int | None, gpu_memory: 
     return lines
 
 
-__all__ = ["BUDGETS", "Row", "compare", "compared_variants", "markdown", "row"]
+__all__ = ["BUDGETS", "Row", "compare", "compared_variants", "markdown", "row", "tokens_per_s_per_gpu"]

@@ -36,9 +36,10 @@ from .schedules.ir import Schedule, ScheduleError
 if TYPE_CHECKING:
     from megatron.core.transformer.enums import LayerType
 
-    from .megatron.schedule import DualPipeOptions
     from .launch_compare import Row
+    from .megatron.schedule import DualPipeOptions
     from .projection.project import Projection, Variant
+
 
 class Refused(Exception):
     """A start-up check refused the job; the message is the check's."""
@@ -83,6 +84,7 @@ def check(args: argparse.Namespace) -> Checked:
     """Run the start-up checks in start-up order on ``args`` (changed as they change them)."""
     from megatron.training.arguments import validate_args
 
+    from .launch_memory import activation_options
     from .megatron.training_support import active_options, post_validate, pre_validate
 
     requested, printed = args.dualpipe_layout, io.StringIO()
@@ -101,6 +103,7 @@ def check(args: argparse.Namespace) -> Checked:
             args.virtual_pipeline_model_parallel_size = virtual_stages(args)
         try:
             post_validate(args)
+            activation_options(args)  # the recompute flags the memory estimate reads
         except ValueError as exc:
             raise Refused(str(exc)) from None
     return Checked(args, requested, validated, active_options())
@@ -221,7 +224,7 @@ def _projection(args: argparse.Namespace, sched: Schedule, stage_layers: list[li
     return project_order(placement, _variant(args), sched, max_activations)
 
 
-def _variant(args: argparse.Namespace) -> "Variant":
+def _variant(args: argparse.Namespace) -> Variant:
     """The projection's row for the job's schedule."""
     from .projection import variants
 
@@ -253,6 +256,8 @@ def _order(args: argparse.Namespace, options: DualPipeOptions | None) -> str:
 
 def _step_line(args: argparse.Namespace, result: Projection | None, order: str, why: str,
                op_costs: str | None) -> str:
+    from .launch_compare import tokens_per_s_per_gpu
+
     if result is None:
         return f"projected step: n/a: {why}"
     step = float(result.result.makespan)
@@ -260,17 +265,13 @@ def _step_line(args: argparse.Namespace, result: Projection | None, order: str, 
     costs = (f"the op costs in {op_costs}" if op_costs
              else "the projection's built-in costs: FLOPs at its default rate and its network model")
     return (f"projected step: {step:,.1f} ms, bubble ratio {float(result.result.bubble_ratio):.3f}{exposed}; "
-            f"{_tokens(args, step):,.0f} tokens/s/GPU ({costs}, {order}; optimizer step and data-parallel "
+            f"{tokens_per_s_per_gpu(args, step):,.0f} tokens/s/GPU ({costs}, {order}; optimizer step and data-parallel "
             f"reduction left out)")
-
-
-def _tokens(args: argparse.Namespace, step_ms: float) -> float:
-    return args.global_batch_size * args.seq_length / (step_ms / 1000) / args.world_size
 
 
 def plan(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) -> tuple[list[str], Row]:
     """The plan's lines (sizes, checks, layout, per-rank memory, projected step) and its one row."""
-    from .launch_compare import Row
+    from .launch_compare import Row, tokens_per_s_per_gpu
     from .launch_memory import GIB, overlapped_pairs, rank_memory
     from .megatron.auto_layout import microbatches
     from .megatron.topology import layout_text
@@ -303,7 +304,7 @@ def plan(checked: Checked, gpus_per_node: int = 8, op_costs: str | None = None) 
     lines.append(_step_line(args, result, _order(args, options), why, op_costs))
     step = float(result.result.makespan) if result else float("nan")
     vp = args.virtual_pipeline_model_parallel_size if schedule == "interleaved" else None
-    return lines, Row(schedule, schedule, vp, layout_text(stage_layers), step, _tokens(args, step),
+    return lines, Row(schedule, schedule, vp, layout_text(stage_layers), step, tokens_per_s_per_gpu(args, step),
                       [a / GIB for a in peaks], [t / GIB for t in totals], "")
 
 

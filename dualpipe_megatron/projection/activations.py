@@ -180,7 +180,8 @@ def _swiglu(o: Options, width: int, hidden: int, copies: float, name: str, modul
     """A gated MLP's activation and its down-projection's input, for ``copies`` rows per token.
     Megatron's fused SwiGLU keeps only its input (the fc1 output, 2 x width, in the activation
     dtype even under FP8: 0.19's training flags cannot ask for its FP8 store); unfused, the fc1
-    output, silu and product tensors (4 x width, measured). ``down_module`` drops the down-projection's input alone (moe_act)."""
+    output, silu and product tensors (4 x width, measured). ``down_module`` drops the
+    down-projection's input alone (moe_act)."""
     act = (2 if o.fused_swiglu else 4) * width * o.act_bytes
     return [Term(f"{name} activation", copies * act, "tp", module, TE_SOURCE if o.te else LOCAL_SOURCE),
             Term(f"{name} down-projection input", copies * width * o.stored(), "tp", down_module or module,
