@@ -31,7 +31,9 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_tokenizer, pretrain
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.argument_utils import (
+    gpt_config_from_args, hybrid_config_from_args, pretrain_cfg_container_from_args,
+)
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
 
@@ -111,9 +113,11 @@ datasets_provider.is_distributed = True
 
 def main() -> None:
     """A stock Megatron 0.19 pretraining entry: the model comes from a config container (Megatron's
-    GPT model builder, no ``model_provider``); our flag exists once the hooks are installed."""
+    GPT model builder, or its hybrid one under ``--hybrid-layer-pattern``, no ``model_provider``);
+    our flag exists once the hooks are installed."""
     args = parse_and_validate_args()
-    pretrain(pretrain_cfg_container_from_args(args, gpt_config_from_args(args)), datasets_provider,
+    model_config = hybrid_config_from_args(args) if args.hybrid_layer_pattern else gpt_config_from_args(args)
+    pretrain(pretrain_cfg_container_from_args(args, model_config), datasets_provider,
              ModelType.encoder_or_decoder, forward_step)
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from ..schedules import Schedule, ScheduleError, build_schedule
+from .hybrid import layer_pattern, stage_layout
 from .topology import StageMap, stage_layer_types
 
 # Our schedules, registered once: the flag's choices, the options and the checks all read this.
@@ -33,6 +34,19 @@ def stage_map_for(schedule: str, ranks: int) -> StageMap:
 def configuration_problems(schedule: str, pipeline_size: int, num_microbatches: int | None,
                            num_layers: int, layout: str | list | None = None, mtp_layers: int = 0) -> list[str]:
     """Why ``schedule`` cannot run this pipeline (the generators' own rules, then the layout)."""
+    problems = schedule_problems(schedule, pipeline_size, num_microbatches)
+    if problems:
+        return problems
+    try:
+        stage_layer_types(num_layers, stage_map_for(schedule, pipeline_size).num_stages, layout, mtp_layers)
+    except ScheduleError as exc:
+        return [f"--pipeline-schedule {schedule}: {exc}"]
+    return []
+
+
+def schedule_problems(schedule: str, pipeline_size: int, num_microbatches: int | None) -> list[str]:
+    """Why ``schedule`` cannot run ``pipeline_size`` ranks and this many micro-batches (the
+    generators' own rules)."""
     if schedule not in SCHEDULES:
         return [f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}"]
     if pipeline_size < 2:
@@ -46,10 +60,6 @@ def configuration_problems(schedule: str, pipeline_size: int, num_microbatches: 
         hint = ("; raise --global-batch-size or lower --micro-batch-size"
                 if num_microbatches is not None and num_microbatches < 2 * pipeline_size else "")
         return [f"--pipeline-schedule {schedule} ({shape}): {exc}{hint}"]
-    try:
-        stage_layer_types(num_layers, stage_map_for(schedule, pipeline_size).num_stages, layout, mtp_layers)
-    except ScheduleError as exc:
-        return [f"--pipeline-schedule {schedule}: {exc}"]
     return []
 
 
@@ -80,9 +90,27 @@ def argument_problems(args: Any) -> list[str]:
                         f"(--transformer-impl transformer_engine)")
     if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
         problems.append(f"--pipeline-schedule {schedule} does not support full-iteration CUDA graphs")
-    return problems + configuration_problems(schedule, args.pipeline_model_parallel_size, None, args.num_layers,
-                                             getattr(args, "dualpipe_layout", None),
-                                             getattr(args, "mtp_num_layers", None) or 0)
+    if layer_pattern(args) is not None and getattr(args, "dualpipe_layout", None) is not None:
+        problems.append("--dualpipe-layout does not apply to a HybridModel: its --hybrid-layer-pattern places "
+                        "the layers (one '|' segment per model stage, in model order)")
+    shape = schedule_problems(schedule, args.pipeline_model_parallel_size, None)
+    if shape:
+        return problems + shape
+    try:
+        layers = job_layers(args)
+    except ScheduleError as exc:
+        return problems + [f"--pipeline-schedule {schedule}: {exc}"]
+    return problems + configuration_problems(schedule, args.pipeline_model_parallel_size, None, *layers)
+
+
+def job_layers(args: Any) -> tuple[int, str | list | None, int]:
+    """(decoder layers, layer layout, MTP layers) of a job under one of our schedules: a HybridModel's
+    from its pattern (:mod:`.hybrid`), a GPTModel's from --num-layers, --dualpipe-layout and
+    --mtp-num-layers. Raises ScheduleError for a pattern that does not fit the schedule's stages."""
+    pattern = layer_pattern(args)
+    if pattern is None:
+        return args.num_layers, getattr(args, "dualpipe_layout", None), getattr(args, "mtp_num_layers", None) or 0
+    return stage_layout(pattern, stage_map_for(args.pipeline_schedule, args.pipeline_model_parallel_size).num_stages)
 
 
 def step_problems(config: Any, collect_non_loss_data: bool, adjust_tensor_shapes_fn: Callable | None) -> list[str]:
@@ -138,7 +166,7 @@ def _accepts_schedule_plan(func: Callable) -> bool:
 
 def overlap_blockers(config: Any, chunks: Sequence[nn.Module], forward_step_func: Callable) -> list[str]:
     """Why the MoE F&B overlap cannot run for this model (empty: it can)."""
-    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 
     reasons = []
     if not getattr(config, "num_moe_experts", None):
@@ -169,7 +197,10 @@ def overlap_blockers(config: Any, chunks: Sequence[nn.Module], forward_step_func
         try:
             get_attr_wrapped_model(chunk, "build_schedule_plan", return_model_obj=True)
         except RuntimeError:
-            reasons.append(f"{type(chunk).__name__} has no build_schedule_plan")
+            model = unwrap_model(chunk)
+            reasons.append(f"{type(model).__name__} has no build_schedule_plan" + (
+                " (Megatron-Core's schedule plans split GPTModel layers only)"
+                if type(model).__name__ == "HybridModel" else ""))
             break
     if not reasons and not _accepts_schedule_plan(forward_step_func):
         reasons.append("forward_step_func does not accept return_schedule_plan=True "

@@ -1,6 +1,6 @@
 """``--pipeline-schedule`` for ``megatron.training``: the flag, its validation and the hooks.
 
-:func:`install` patches, once and guarded, exactly these twelve call-time lookups
+:func:`install` patches, once and guarded, exactly these thirteen call-time lookups
 (``tests/test_guard.py`` compares this list with the guard's record):
 
 - ``arguments.add_megatron_arguments``: adds the flag and our options (and those of features
@@ -20,6 +20,8 @@
 - ``training.get_forward_backward_func``: returns our schedule;
 - ``checkpointing.check_checkpoint_args``: refuses an optimizer state saved under another
   schedule in a layout that cannot move (the distributed optimizer's default format);
+- ``hybrid_layer_allocation.select_pipeline_segment``: a HybridModel chunk builds the layers of
+  its model stage (``--hybrid-layer-pattern``'s ``|`` segments in model order, see ``hybrid``);
 - ``parallel_state.is_pipeline_first_stage`` and ``parallel_state.is_pipeline_last_stage``
   (through :func:`install_predicates`): answer for our stage placement while a stage map is
   active, and as Megatron's own otherwise;
@@ -57,7 +59,8 @@ from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_
 from .predicates import install_predicates, set_job_stage_map
 from .job import DualPipeJob
 from .schedule import DualPipeOptions, check_activation_budget, make_forward_backward_func
-from .support import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, stage_map_for
+from .hybrid import layer_pattern, select_stage_segment, stage_segments
+from .support import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, job_layers, stage_map_for
 
 CHOICES = MEGATRON_SCHEDULES + SCHEDULES
 
@@ -177,14 +180,20 @@ def pre_validate(args: argparse.Namespace) -> None:
     """Reject what our schedules cannot run before Megatron's checks, which assume looped placement."""
     if args.pipeline_schedule not in SCHEDULES:
         return
-    if getattr(args, "dualpipe_layout", None) == "auto":
+    hybrid = layer_pattern(args) is not None
+    if getattr(args, "dualpipe_layout", None) == "auto" and not hybrid:
         args.dualpipe_layout = auto_layout(args)
         if args.rank == 0:
             print(f"dualpipe: --dualpipe-layout auto chose {args.dualpipe_layout}", flush=True)
     problems = argument_problems(args)
     if problems:
         raise ValueError("; ".join(problems))
-    if getattr(args, "dualpipe_layout", None) is not None:
+    if hybrid:
+        if args.rank == 0:
+            segments = stage_segments(layer_pattern(args), stage_map_for(args.pipeline_schedule,
+                                                                           args.pipeline_model_parallel_size).num_stages)
+            print(f"dualpipe: HybridModel layers by model stage: {'|'.join(segments)}", flush=True)
+    elif getattr(args, "dualpipe_layout", None) is not None:
         # Without a layout Megatron asks --num-layers to divide by P (DeepSeek-V3's 61 at P=16
         # do not); ours places layers by model stage. Megatron only counts a layout's stages
         # here: one per rank keeps its interleaved checks off. post_validate sets ours.
@@ -205,11 +214,10 @@ def post_validate(args: argparse.Namespace) -> None:
         _state["options"] = None
         return
     pp = args.pipeline_model_parallel_size
-    mtp_layers = getattr(args, "mtp_num_layers", None) or 0
-    check_configuration(schedule, pp, _microbatches(args), args.num_layers, args.dualpipe_layout, mtp_layers)
+    layers = job_layers(args)
+    check_configuration(schedule, pp, _microbatches(args), *layers)
     args.virtual_pipeline_model_parallel_size = 2
-    args.pipeline_model_parallel_layout = dualpipe_layout(schedule, pp, args.num_layers, args.dualpipe_layout,
-                                                          mtp_layers)
+    args.pipeline_model_parallel_layout = dualpipe_layout(schedule, pp, *layers)
     args.overlap_p2p_comm = False
     args.align_param_gather = False
     _save_embedding_copies_plainly(args)
@@ -384,6 +392,7 @@ def install() -> None:
     check_version()
     from megatron.core import parallel_state
     from megatron.training import arguments, checkpointing, training
+    from megatron.core.models.hybrid import hybrid_layer_allocation
     from megatron.training import models
     from megatron.training.models import dist_utils
 
@@ -408,6 +417,9 @@ def install() -> None:
          "(pp_size=None, vp_size=None, schedule_pg_collection=None)"),
         (checkpointing, "check_checkpoint_args", _check_checkpoint_args,
          "(checkpoint_args, skip_args=None)"),
+        (hybrid_layer_allocation, "select_pipeline_segment", select_stage_segment,
+         "(main_pattern, pp_group, vp_stage, first_stage_layers=None, last_stage_layers=None, "
+         "tp_group=None, dp_cp_group=None)"),
     ):
         PATCHES.patch(owner, name, around(getattr(owner, name), hook), signature)
 

@@ -1,0 +1,77 @@
+"""HybridModel's ``--hybrid-layer-pattern`` read as our model stages.
+
+One rule: the main pattern's ``|`` segments are the model stages in model order (segment ``i``
+is stage ``i``, which DualPipeV puts on rank ``min(i, 2P-1-i)``), so a pattern with ``|`` has
+exactly one segment per stage (2P for dualpipev, P for dualpipe); a pattern without ``|`` is
+split evenly. ``--dualpipe-layout`` does not apply (the pattern already says where layers go).
+The embedding opens stage 0; the MTP depths (``/...``) and the loss close the last stage.
+
+Megatron's own segment choice (``select_pipeline_segment``) assumes looped placement (segment
+``vp*P + pp``); :func:`select_stage_segment` answers for the active stage map instead, keeping
+every layer's global number.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..schedules import ScheduleError
+from .predicates import active_stage_map
+
+PIPE, MTP = "|", "/"
+
+
+def layer_pattern(args: Any) -> str | None:
+    """The job's hybrid pattern (``--hybrid-layer-pattern``, or its deprecated spelling), None for
+    a GPT model."""
+    return getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+
+
+def stage_segments(pattern: str, num_stages: int) -> list[str]:
+    """The layer symbols of each model stage (see the module's rule)."""
+    main = pattern.split(MTP)[0]
+    if PIPE in main:
+        segments = main.split(PIPE)
+        if len(segments) != num_stages:
+            raise ScheduleError(
+                f"--hybrid-layer-pattern {pattern!r} has {len(segments)} '|' segments; this schedule runs "
+                f"{num_stages} model stages, one segment each in model order (or give no '|' for an even split)")
+        return segments
+    if len(main) % num_stages:
+        raise ScheduleError(
+            f"--hybrid-layer-pattern {pattern!r}: {len(main)} layers do not split evenly over {num_stages} model "
+            f"stages; mark the {num_stages} stages with '|'")
+    per = len(main) // num_stages
+    return [main[i * per:(i + 1) * per] for i in range(num_stages)]
+
+
+def mtp_depths(pattern: str) -> int:
+    return len([part for part in pattern.split(MTP)[1:] if part])
+
+
+def stage_layout(pattern: str, num_stages: int) -> tuple[int, str, int]:
+    """(decoder layers, Megatron layout string, MTP layers) of the pattern's stages: every symbol
+    one decoder layer (``t``), so the stage map's :class:`~.topology.DualPipeLayout` follows."""
+    segments = stage_segments(pattern, num_stages)
+    depths = mtp_depths(pattern)
+    stages = ["t" * len(s) for s in segments]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "m" * depths + "L"
+    return sum(map(len, segments)), "|".join(stages), depths
+
+
+def select_stage_segment(original: Callable, main_pattern: str, pp_group: Any, vp_stage: int | None,
+                         *args: Any, **kwargs: Any) -> tuple[list[str], int]:
+    """``hybrid_layer_allocation.select_pipeline_segment`` under an active stage map: the layers
+    of the model stage chunk ``vp_stage`` holds, and the count of layers before it."""
+    stage_map = active_stage_map()
+    if stage_map is None:
+        return original(main_pattern, pp_group, vp_stage, *args, **kwargs)
+    from megatron.core.models.hybrid.hybrid_layer_allocation import validate_segment_layers
+
+    segments = stage_segments(main_pattern, stage_map.num_stages)
+    stage = stage_map.stage(pp_group.rank(), vp_stage or 0)
+    return validate_segment_layers(segments[stage]), sum(map(len, segments[:stage]))
+
+
+__all__ = ["layer_pattern", "mtp_depths", "select_stage_segment", "stage_layout", "stage_segments"]

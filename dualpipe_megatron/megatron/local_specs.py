@@ -1,0 +1,114 @@
+"""A HybridModel stack spec of Megatron-Core's local (non-Transformer-Engine) modules.
+
+Megatron-Core 0.19 ships ``hybrid_stack_spec`` for Transformer Engine only, and its
+``HybridStack`` builds the final norm as a TE norm whatever the spec says. This spec
+builds the same layer kinds from Megatron's local modules, so a HybridModel trains on
+CPU (and anywhere TE is absent); pass it as
+
+    --spec dualpipe_megatron.megatron.local_specs hybrid_stack_spec
+
+It covers attention (``*``), multi-latent attention (``+``), dense MLP (``-``), MoE (``E``)
+and MTP (``/...``), with the layer norms a local GPT layer has (``input_layernorm`` before
+attention, ``pre_mlp_layernorm`` before an MLP or MoE), so a GPT checkpoint translates onto it
+(``megatron.core.dist_checkpointing.gpt_checkpoint_interop``). Mamba (``M``), gated delta net
+(``G``) and DeepSeek sparse attention (``D``) need CUDA kernels and TE: they are refused when
+built, naming the kind. On a GPU keep Megatron's TE spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules,
+)
+
+# LayerNorm or RMSNorm as the config says (torch's own; apex's fused norm has no RMSNorm).
+NORM = WrappedTorchNorm
+CUDA_ONLY = {"M": "Mamba", "G": "gated delta net (GDN)", "D": "DeepSeek sparse attention (DSA)"}
+
+
+class LocalHybridStack(HybridStack):
+    """``HybridStack`` with a local final norm (Megatron's builds a TE norm unconditionally) and
+    standard attention refused under ``--qk-layernorm`` (its default q/k norm is TE's)."""
+
+    def __init__(self, config: Any, submodules: HybridStackSubmodules, *args: Any,
+                 post_layer_norm: bool = True, **kwargs: Any) -> None:
+        layers = kwargs.get("layer_type_list") or []
+        if config.qk_layernorm and "*" in layers:
+            raise ValueError("the local hybrid spec has no q/k layernorm for standard attention ('*'): "
+                             "drop --qk-layernorm, use MLA ('+', whose latent norms are local), or "
+                             "Megatron's TE spec")
+        super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+        self.post_layer_norm = post_layer_norm
+        if self.post_process and post_layer_norm:
+            self.final_norm = NORM(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+
+
+def _refusal(symbol: str) -> type:
+    """A layer class that refuses to be built: layer kind ``symbol`` needs CUDA kernels."""
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(
+            f"hybrid layer '{symbol}' ({CUDA_ONLY[symbol]}) needs CUDA kernels and Transformer Engine; "
+            f"the local hybrid spec (dualpipe_megatron.megatron.local_specs) builds '*', '+', '-' "
+            f"and 'E' layers only: on a GPU use --spec megatron.core.models.hybrid.hybrid_layer_specs "
+            f"hybrid_stack_spec")
+    return type(f"Unsupported{CUDA_ONLY[symbol].split()[0].title()}Layer", (), {"__init__": __init__})
+
+
+def _attention_layer(self_attention: ModuleSpec) -> ModuleSpec:
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=NORM, self_attention=self_attention, self_attn_bda=get_bias_dropout_add))
+
+
+def _mlp_layer(module: type, mlp: Any) -> ModuleSpec:
+    return ModuleSpec(module=module, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=NORM, mlp=mlp, mlp_bda=get_bias_dropout_add))
+
+
+hybrid_stack_spec = ModuleSpec(
+    module=LocalHybridStack,
+    submodules=HybridStackSubmodules(
+        mamba_layer=_refusal("M"),
+        gdn_layer=_refusal("G"),
+        dsa_layer=_refusal("D"),
+        attention_layer=_attention_layer(ModuleSpec(
+            module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+                                               linear_proj=RowParallelLinear))),
+        # Latent norms (--qk-layernorm) come from the config's backend (MLA's own resolver).
+        mla_layer=_attention_layer(ModuleSpec(
+            module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                linear_kv_up_proj=ColumnParallelLinear, core_attention=DotProductAttention,
+                linear_proj=RowParallelLinear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp))),
+        # A local GPT layer's MLP and MoE (num_experts only selects the MoE spec; the layer reads
+        # --num-experts from the config).
+        mlp_layer=_mlp_layer(MLPLayer, get_mlp_module_spec_for_backend(LocalSpecProvider())),
+        moe_layer=_mlp_layer(MoETransformerLayer, get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=1)),
+        mtp_block_spec=ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(
+            layer_specs=[ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+                enorm=NORM, hnorm=NORM, eh_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=NORM))])),
+    ),
+)
+
+__all__ = ["CUDA_ONLY", "LocalHybridStack", "hybrid_stack_spec"]
