@@ -70,6 +70,16 @@ def expert_slots(experts: torch.nn.Module, num_local: int) -> list[list[torch.nn
     return slots
 
 
+_MTP_DEPTH = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")
+
+
+def _layer_key(name: str, module: Any) -> LayerKey:
+    """A decoder MoE layer by its global layer number; an MTP one by its depth (1-based), which
+    a GPT MTP layer's number is too, while a HybridModel MTP depth numbers its inner layers anew."""
+    depth = _MTP_DEPTH.search(name)
+    return ("decoder", int(module.layer_number)) if depth is None else ("mtp", int(depth.group(1)) + 1)
+
+
 def find_moe_layers(model_chunks: list[torch.nn.Module]) -> list[MoELayerHandle]:
     """Every MoE layer (decoder and MTP) of this rank's chunks, in chunk and module order."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -79,12 +89,14 @@ def find_moe_layers(model_chunks: list[torch.nn.Module]) -> list[MoELayerHandle]
         for name, module in chunk.named_modules():
             if not isinstance(module, MoELayer):
                 continue
-            kind = "mtp" if ".mtp." in f".{name}" else "decoder"
             num_local = module.num_local_experts
             found.append(MoELayerHandle(
-                key=(kind, int(module.layer_number)), router=module.router, experts=module.experts,
+                key=_layer_key(name, module), router=module.router, experts=module.experts,
                 num_experts=module.config.num_moe_experts, ep_group=module.ep_group,
                 slot_params=expert_slots(module.experts, num_local), moe=module))
+    keys = [h.key for h in found]
+    if len(set(keys)) != len(keys):
+        raise ValueError("EPLB supports one MoE layer per MTP depth (this model's MTP pattern has more)")
     return found
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron.guard import check_private_symbols, check_version
+from ..megatron.hybrid import layer_pattern
 from ..megatron.training_support import active_job, register_arguments
 from ..patch_guard import PatchSet, around
 from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts, take_slot_counts
@@ -388,9 +389,21 @@ class EplbController:
         if parallel_state.get_pipeline_model_parallel_rank() != 0:
             return
         tracker = get_moe_metrics_tracker()
-        size = self.args.num_layers + (self.args.mtp_num_layers or 0)
+        numbers = self.layer_numbers
+        pattern = layer_pattern(self.args)
+        if pattern is not None:
+            # Megatron's training log sizes a HybridModel's entries by the pattern's MoE count (MTP's
+            # included) plus the MTP depths, and other pipeline ranks create ours at that size: one
+            # slot per MoE layer, in layer order.
+            from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, get_hybrid_layer_counts
+
+            layers = get_hybrid_layer_counts(pattern)[Symbols.MOE]
+            numbers = list(range(1, len(self.keys) + 1))
+        else:
+            layers = self.args.num_layers
+        size = layers + (self.args.mtp_num_layers or 0)
         scale = get_num_microbatches()  # report() multiplies by 1 / micro-batches
-        for number, value in zip(self.layer_numbers, measured.tolist()):
+        for number, value in zip(numbers, measured.tolist()):
             tracker.record(METRIC, torch.tensor(value * scale, device=self.device), number, size)
 
     # -- files -------------------------------------------------------------------------------

@@ -73,14 +73,22 @@ def _refusal(symbol: str) -> type:
     return type(f"Unsupported{CUDA_ONLY[symbol].split()[0].title()}Layer", (), {"__init__": __init__})
 
 
-def _attention_layer(self_attention: ModuleSpec) -> ModuleSpec:
+# Checkpoint keys: where Megatron's TE hybrid spec fuses a norm into the next linear, the local
+# norm saves under the fused key (as a local GPT layer does), so checkpoints move between this
+# spec, the TE one and GPTModel's (load-time translation).
+FUSED_INPUT_NORM = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+FUSED_MLP_NORM = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+def _attention_layer(self_attention: ModuleSpec, keys: dict[str, str]) -> ModuleSpec:
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=NORM, self_attention=self_attention, self_attn_bda=get_bias_dropout_add))
+        input_layernorm=NORM, self_attention=self_attention, self_attn_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=keys))
 
 
-def _mlp_layer(module: type, mlp: Any) -> ModuleSpec:
+def _mlp_layer(module: type, mlp: Any, keys: dict[str, str]) -> ModuleSpec:
     return ModuleSpec(module=module, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=NORM, mlp=mlp, mlp_bda=get_bias_dropout_add))
+        pre_mlp_layernorm=NORM, mlp=mlp, mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=keys))
 
 
 hybrid_stack_spec = ModuleSpec(
@@ -92,7 +100,7 @@ hybrid_stack_spec = ModuleSpec(
         attention_layer=_attention_layer(ModuleSpec(
             module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-                                               linear_proj=RowParallelLinear))),
+                                               linear_proj=RowParallelLinear)), FUSED_INPUT_NORM),
         # Latent norms (--qk-layernorm) come from the config's backend (MLA's own resolver).
         mla_layer=_attention_layer(ModuleSpec(
             module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
@@ -100,11 +108,13 @@ hybrid_stack_spec = ModuleSpec(
                 linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
                 linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
                 linear_kv_up_proj=ColumnParallelLinear, core_attention=DotProductAttention,
-                linear_proj=RowParallelLinear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp))),
+                linear_proj=RowParallelLinear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp)), {}),
         # A local GPT layer's MLP and MoE (num_experts only selects the MoE spec; the layer reads
         # --num-experts from the config).
-        mlp_layer=_mlp_layer(MLPLayer, get_mlp_module_spec_for_backend(LocalSpecProvider())),
-        moe_layer=_mlp_layer(MoETransformerLayer, get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=1)),
+        mlp_layer=_mlp_layer(MLPLayer, get_mlp_module_spec_for_backend(LocalSpecProvider()), FUSED_MLP_NORM),
+        # TE's MoE layer keeps a separate norm (a local GPT MoE layer saves it under the fused key).
+        moe_layer=_mlp_layer(MoETransformerLayer, get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=1),
+                             {}),
         mtp_block_spec=ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(
             layer_specs=[ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
                 enorm=NORM, hnorm=NORM, eh_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=NORM))])),
