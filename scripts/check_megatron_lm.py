@@ -1,12 +1,16 @@
-"""Megatron-LM's own ``pretrain_gpt.py`` under ``--pipeline-schedule dualpipev|dualpipe``, checked
-against the same script under Megatron's own 1F1B (what ``scripts/check_megatron_lm.sh`` runs).
+"""Megatron-LM's own ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` under ``--pipeline-schedule
+dualpipev|dualpipe``, checked against the same script under Megatron's own 1F1B (what
+``scripts/check_megatron_lm.sh`` runs).
 
     python scripts/check_megatron_lm.py MEGATRON_LM_DIR [--out DIR] [--only NAME,...]
 
 MEGATRON_LM_DIR is a Megatron-LM checkout of the 0.19 release branch (``core_r0.19.0``). Its
-``pretrain_gpt.py``, ``gpt_builders.py`` and ``model_provider.py`` are copied, unmodified, into a
+``pretrain_gpt.py``, ``pretrain_hybrid.py``, ``gpt_builders.py``, ``hybrid_builders.py`` and
+``model_provider.py`` are copied, unmodified, into a
 scratch folder (so that the installed megatron-core, not the checkout's ``megatron/``, is the one
-imported) and run under torchrun through ``python -m dualpipe_megatron.launch`` on CPU (gloo).
+imported) and run under torchrun through ``python -m dualpipe_megatron.launch`` on CPU (gloo);
+HybridModel cases pass our local hybrid spec (``--spec dualpipe_megatron.megatron.local_specs
+hybrid_stack_spec``: Megatron's is Transformer Engine only).
 Every case starts from one PP=1 checkpoint (Megatron seeds each pipeline rank differently) and
 trains iterations 2-7; the lm loss logged at each iteration must equal 1F1B's to 1e-5 relative.
 Prints one line per case and a summary; exits non-zero if any case fails.
@@ -29,7 +33,8 @@ from pathlib import Path
 from dualpipe_megatron.megatron.cpu_compat import CPU_FLAGS
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
+SCRIPT_FILES = ("pretrain_gpt.py", "pretrain_hybrid.py", "gpt_builders.py", "hybrid_builders.py", "model_provider.py")
+GPT, HYBRID = "pretrain_gpt.py", "pretrain_hybrid.py"
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 RTOL = 1e-5
 ITERATIONS = 7
@@ -56,8 +61,21 @@ EPLB = "--eplb-interval 2 --eplb-window 4 --eplb-threshold 0 --eplb-redundant-ex
 # MTP refuses learned positions; DeepSeek-V3 unties the output layer, and Megatron 0.19 cannot load
 # a tied output layer beside MTP at PP > 1 under its own 1F1B.
 MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"]
+# HybridModel (--hybrid-layer-pattern sets the layers; --num-layers is ignored): our local spec, MTP
+# from the pattern's '/' part (rope, untied output layer as above).
+LOCAL_HYBRID = ["--spec", "dualpipe_megatron.megatron.local_specs", "hybrid_stack_spec"]
+HYBRID_MTP = ["--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"]
+HYBRID_DENSE = [*LOCAL_HYBRID, "--hybrid-layer-pattern", "*-*-*-*-/*-", *HYBRID_MTP]
+HYBRID_MOE = [*LOCAL_HYBRID, "--hybrid-layer-pattern", "*-*E*E*E/*E", *MOE, *HYBRID_MTP]
+# A GPT checkpoint saved under dualpipev, loaded into the equivalent pattern (Megatron's load-time
+# translation, gpt_checkpoint_interop): 4 GPT layers are the 8 hybrid layers '*-*-*-*-'.
+GPT4 = [*DENSE, "--num-layers", "4"]
+HYBRID_OF_GPT4 = [*LOCAL_HYBRID, "--hybrid-layer-pattern", "*-*-*-*-", *DENSE]
 PASSED = {False: "dualpipev and dualpipe = 1f1b, lm loss of iterations 2-7 to 1e-5",
-          True: f"dualpipev and dualpipe = 1f1b, saved at {SAVE_AT}, resumed: lm loss of 2-7 to 1e-5"}
+          True: f"dualpipev and dualpipe = 1f1b, saved at {SAVE_AT}, resumed: lm loss of 2-7 to 1e-5",
+          "gpt": f"GPT saved under dualpipev at {SAVE_AT}, loaded as HybridModel: dualpipev and dualpipe "
+                 f"= the GPT run's lm loss of {SAVE_AT + 1}-7 to 1e-5"}
+NO_OVERLAP = "DualPipe MoE F&B overlap off, running F then B: HybridModel has no build_schedule_plan"
 OVERLAP_ON = re.compile(r"DualPipe MoE F&B overlap on: (\d+) of (\d+) FB ops")
 EPLB_MOVED = re.compile(r"^EPLB iteration \d+: moved (\d+) expert", re.MULTILINE)
 
@@ -73,8 +91,11 @@ class Case:
     ranks: int
     parallel: list[str]
     ours: list[str] = field(default_factory=list)  # dualpipe/dualpipev only
-    check: str = ""  # what else the log of each of our runs must show: "overlap", "eplb"
-    resume: bool = False  # ours: save at SAVE_AT, resume from it, compare the resumed iterations
+    check: str = ""  # what else the log of each of our runs must show: "overlap", "eplb", "no_overlap"
+    resume: bool | str = False  # ours: save at SAVE_AT, resume from it, compare the resumed iterations;
+    # "gpt": the save is a GPT run (``saved_as``), resumed as this case's HybridModel
+    script: str = GPT
+    saved_as: list[str] = field(default_factory=list)
 
 
 def p(size: int) -> list[str]:
@@ -91,6 +112,9 @@ CASES = (
     # the sums are the same.
     Case("eplb_redundant_ep2_p2", "moe", [*MOE, *BF16], 4, [*EP2, *p(2), *EPLB], ours=OVERLAP, check="eplb"),
     Case("dense_p2_save_resume", "dense", DENSE, 2, p(2), resume=True),
+    Case("hybrid_dense_mtp_p2", "hybrid_dense", HYBRID_DENSE, 2, p(2), script=HYBRID),
+    Case("hybrid_moe_mtp_ep2_p2", "hybrid_moe", HYBRID_MOE, 4, [*EP2, *p(2)], check="no_overlap", script=HYBRID),
+    Case("hybrid_from_gpt_p2", "gpt4", HYBRID_OF_GPT4, 2, p(2), resume="gpt", script=HYBRID, saved_as=GPT4),
 )
 
 
@@ -104,15 +128,15 @@ class Runner:
     """Runs the copied script under torchrun through our launcher; one log per run in ``out``."""
 
     def __init__(self, script_dir: Path, out: Path) -> None:
-        self.script = script_dir / "pretrain_gpt.py"
+        self.scripts = script_dir
         self.out = out
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "DUALPIPE_NCCL_STRICT": "1",
                     "DUALPIPE_MOCK_DOCUMENTS": "64", "PYTHONPATH": str(REPO)}
 
-    def run(self, name: str, ranks: int, args: list[str]) -> str:
+    def run(self, name: str, ranks: int, args: list[str], script: str = GPT) -> str:
         log = self.out / f"{name}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               f"--master-port={free_port()}", "-m", "dualpipe_megatron.launch", str(self.script),
+               f"--master-port={free_port()}", "-m", "dualpipe_megatron.launch", str(self.scripts / script),
                *MODEL, *CPU_FLAGS, *DATA, *args]
         with log.open("w") as f:
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.out,
@@ -123,13 +147,13 @@ class Runner:
                                + "\n".join(line for line in text.splitlines() if "Error" in line)[-3000:])
         return text
 
-    def init(self, name: str, model: list[str]) -> Path:
+    def init(self, name: str, model: list[str], script: str = GPT) -> Path:
         """Iteration 1 at PP=1 with learning rate 0: the start every run of the model loads."""
         path = self.out / f"init_{name}"
         if not path.exists():
             self.run(f"init_{name}", 1, [*model, "--train-iters", "1", "--lr", "0", "--min-lr", "0",
                                          "--lr-decay-style", "constant", "--save", str(path),
-                                         "--save-interval", "1"])
+                                         "--save-interval", "1"], script)
         return path
 
 
@@ -155,31 +179,40 @@ def log_checks(check: str, log: str) -> list[str]:
             return [f"the F&B overlap did not run every FB op ({found or 'no overlap line'})"]
     if check == "eplb" and not any(int(n) > 0 for n in EPLB_MOVED.findall(log)):
         return ["EPLB moved no expert"]
+    if check == "no_overlap" and NO_OVERLAP not in log:
+        return ["no notice that the MoE F&B pairs run F then B"]
     return []
 
 
 def check_case(runner: Runner, case: Case) -> list[str]:
     """Problems of one case (empty: it passed)."""
-    start = ["--load", str(runner.init(case.init, case.model)), *FRESH, *case.model, *TRAIN, *case.parallel]
-    reference = losses(runner.run(f"{case.name}_1f1b", case.ranks, [*start, "--pipeline-schedule", "1f1b"]))
+    # A "gpt" case's start checkpoint and 1F1B reference are the GPT model it is saved as.
+    source, source_script = (case.saved_as, GPT) if case.saved_as else (case.model, case.script)
+    start = ["--load", str(runner.init(case.init, source, source_script)), *FRESH, *source, *TRAIN, *case.parallel]
+    reference = losses(runner.run(f"{case.name}_1f1b", case.ranks, [*start, "--pipeline-schedule", "1f1b"],
+                                  source_script))
     problems = [] if len(reference) == ITERATIONS - 1 else [f"1f1b logged iterations {sorted(reference)}"]
     for schedule in ("dualpipev", "dualpipe"):
         ours = [*start, "--pipeline-schedule", schedule, *case.ours]
         if case.resume:
-            saved = runner.out / f"{case.name}_{schedule}_ckpt"
-            before = runner.run(f"{case.name}_{schedule}_save", case.ranks,
-                                [*ours, "--save", str(saved), "--save-interval", str(SAVE_AT),
-                                 "--exit-interval", str(SAVE_AT)])
+            # The save: this schedule's own run, or (a "gpt" case) one GPT run under dualpipev.
+            saver = "dualpipev" if case.resume == "gpt" else schedule
+            saved = runner.out / f"{case.name}_{saver}_ckpt"
+            found = []
+            if not saved.exists():
+                before = runner.run(f"{case.name}_{saver}_save", case.ranks,
+                                    [*start, "--pipeline-schedule", saver, *case.ours, "--save", str(saved),
+                                     "--save-interval", str(SAVE_AT), "--exit-interval", str(SAVE_AT)], source_script)
+                found = differences(reference, losses(before), range(2, SAVE_AT + 1))
             resumed = [*case.model, *TRAIN, *case.parallel, "--pipeline-schedule", schedule, "--load", str(saved)]
-            log = runner.run(f"{case.name}_{schedule}_resumed", case.ranks, resumed)
+            log = runner.run(f"{case.name}_{schedule}_resumed", case.ranks, resumed, case.script)
             # Megatron's first log after a resume averages it with the next iteration.
             want = {SAVE_AT + 1: reference[SAVE_AT + 1],
                     SAVE_AT + 2: (reference[SAVE_AT + 1] + reference[SAVE_AT + 2]) / 2,
                     **{i: reference[i] for i in range(SAVE_AT + 3, ITERATIONS + 1)}}
-            found = (differences(reference, losses(before), range(2, SAVE_AT + 1))
-                     + differences(want, losses(log), range(SAVE_AT + 1, ITERATIONS + 1)))
+            found += differences(want, losses(log), range(SAVE_AT + 1, ITERATIONS + 1))
         else:
-            log = runner.run(f"{case.name}_{schedule}", case.ranks, ours)
+            log = runner.run(f"{case.name}_{schedule}", case.ranks, ours, case.script)
             found = differences(reference, losses(log), range(2, ITERATIONS + 1)) + log_checks(case.check, log)
         problems += [f"{schedule}: {p}" for p in found]
     return problems

@@ -29,6 +29,7 @@ class DualPipeJob:
     prepared: bool = False  # prepare_model ran (ties, mirrors, weight-grad patches)
     mirror_group: dist.ProcessGroup | None = None  # DualPipe only, from prepare_model
     last_stats: StepStats | None = None  # the executor's counters of the latest step
+    w_split_announced: bool = False  # the first training step said what its W ops ran (without the overlap)
     plans: dict = field(default_factory=dict)  # (ranks, M, forward_only, rank) -> (schedule, plan)
     schedules: dict = field(default_factory=dict)  # (ranks, M) -> the schedule the steps run
     tracer: OpTracer | None = None  # created on the first step when tracing

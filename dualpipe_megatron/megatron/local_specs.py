@@ -17,6 +17,7 @@ built, naming the kind. On a GPU keep Megatron's TE spec.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NoReturn
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -46,20 +47,33 @@ CUDA_ONLY = {"M": "Mamba", "G": "gated delta net (GDN)", "D": "DeepSeek sparse a
 
 
 class LocalHybridStack(HybridStack):
-    """``HybridStack`` with a local final norm (Megatron's builds a TE norm unconditionally) and
-    standard attention refused under ``--qk-layernorm`` (its default q/k norm is TE's)."""
+    """``HybridStack`` with a local final norm (Megatron's builds a TE norm unconditionally)."""
 
     def __init__(self, config: Any, submodules: HybridStackSubmodules, *args: Any,
                  post_layer_norm: bool = True, **kwargs: Any) -> None:
-        layers = kwargs.get("layer_type_list") or []
-        if config.qk_layernorm and "*" in layers:
-            raise ValueError("the local hybrid spec has no q/k layernorm for standard attention ('*'): "
-                             "drop --qk-layernorm, use MLA ('+', whose latent norms are local), or "
-                             "Megatron's TE spec")
         super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
         self.post_layer_norm = post_layer_norm
         if self.post_process and post_layer_norm:
             self.final_norm = NORM(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+
+
+class LocalAttentionLayer(TransformerLayer):
+    """An attention layer whose q/k norms follow ``--qk-layernorm``. Left out of a spec, Megatron's
+    attention takes TE's norm (standard) or a TE norm-fused linear (MLA), and named in a spec while
+    the flag is off it refuses them; so the norms are named here, per layer, when the config asks
+    (also inside MTP, whose stack is Megatron's own)."""
+
+    def __init__(self, config: Any, submodules: TransformerLayerSubmodules, *args: Any, **kwargs: Any) -> None:
+        if config.qk_layernorm:
+            submodules = copy.deepcopy(submodules)  # the spec is shared by every layer
+            attention = submodules.self_attention.submodules
+            if isinstance(attention, MLASelfAttentionSubmodules):
+                norms = ["kv_layernorm"] + (["q_layernorm"] if config.q_lora_rank is not None else [])
+            else:
+                norms = ["q_layernorm", "k_layernorm"]
+            for name in norms:
+                setattr(attention, name, NORM)
+        super().__init__(config, submodules, *args, **kwargs)
 
 
 def _refusal(symbol: str) -> type:
@@ -81,7 +95,7 @@ FUSED_MLP_NORM = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
 def _attention_layer(self_attention: ModuleSpec, keys: dict[str, str]) -> ModuleSpec:
-    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+    return ModuleSpec(module=LocalAttentionLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=NORM, self_attention=self_attention, self_attn_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map=keys))
 
@@ -101,7 +115,6 @@ hybrid_stack_spec = ModuleSpec(
             module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
                                                linear_proj=RowParallelLinear)), FUSED_INPUT_NORM),
-        # Latent norms (--qk-layernorm) come from the config's backend (MLA's own resolver).
         mla_layer=_attention_layer(ModuleSpec(
             module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
             submodules=MLASelfAttentionSubmodules(
@@ -121,4 +134,4 @@ hybrid_stack_spec = ModuleSpec(
     ),
 )
 
-__all__ = ["CUDA_ONLY", "LocalHybridStack", "hybrid_stack_spec"]
+__all__ = ["CUDA_ONLY", "LocalAttentionLayer", "LocalHybridStack", "hybrid_stack_spec"]

@@ -272,6 +272,11 @@ def run_step(options: DualPipeOptions, step_plan: StepPlan, forward_step_func: C
     if sp.overlap:
         announce_overlap(executor.stats.overlapped, executor.stats.deferred, sp.sched.ops[sp.rank],
                          sp.overlap_layers)
+    elif options.defer_weight_grads and not sp.forward_only and not options.job.w_split_announced:
+        options.job.w_split_announced = True
+        if dist.get_rank() == 0:
+            print(f"DualPipe W split: the first training step's W ops on this rank ran {executor.stats.deferred} "
+                  f"deferred weight-grad closures", flush=True)
     step.finish()
     return step
 
