@@ -27,6 +27,7 @@ demo: setup
 # Side by side on this machine, then the calibrated projection (measured op costs -> simulator).
 bench: setup
 	$(PY) bench/bench_megatron.py
+	$(PY) bench/hybrid_moe_step.py
 	$(PY) bench/budget_memory.py
 	$(PY) bench/activation_estimate.py
 	$(PY) bench/bench_runtime.py

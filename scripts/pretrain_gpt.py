@@ -1,8 +1,11 @@
-"""GPT / MoE pretraining on ``megatron.training`` with ``--pipeline-schedule`` available.
+"""GPT / MoE / HybridModel pretraining on ``megatron.training`` with ``--pipeline-schedule`` available.
 
 Built as Megatron-LM 0.19's own ``pretrain_gpt.py`` is: a config container whose model config
 (``gpt_config_from_args``) Megatron's GPT model builder turns into model chunks, so the layer spec
-follows Megatron's rules (local or Transformer Engine, dense or MoE, MLA, MTP) and ``--spec``.
+follows Megatron's rules (local or Transformer Engine, dense or MoE, MLA, MTP) and ``--spec``. With
+``--hybrid-layer-pattern`` the container holds a HybridModel config instead (``hybrid_config_from_args``,
+as Megatron-LM's ``pretrain_hybrid.py`` builds it; on CPU pass ``--spec
+dualpipe_megatron.megatron.local_specs hybrid_stack_spec``).
 Run directly, it installs our hooks (and, without CUDA, the CPU compatibility layer) through
 ``routes.install_for_training``, the launcher's own call, and trains. Its functions are also a
 stock Megatron script's: imported elsewhere it installs nothing (see tests/stock_pretrain_gpt.py,

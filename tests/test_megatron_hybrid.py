@@ -8,7 +8,8 @@ Dense, ``*-*-*-*-`` at P=2 (one GPT block is two hybrid layers, so this is the 4
   included) under 1F1B, DualPipeV and DualPipe, which train iterations 4-8 and log the same losses;
 - the DualPipeV HybridModel run saves at 6 and DualPipe resumes from it (a hybrid checkpoint across
   schedules): iterations 7-8 as 1F1B's, by Megatron's resume logging rule;
-- the W split ran: the first step's W ops ran deferred weight-grad closures.
+- the W split ran: the first step's W ops ran deferred weight-grad closures;
+- the DualPipe run's op trace (``--dualpipe-trace``) reads back as DualPipe's schedule.
 
 MoE: the DeepSeek-V3 proxy (``scripts/deepseek_v3_proxy.flags``) written as a hybrid pattern, MLA
 ``+`` (Megatron-Core 0.19's symbol; ``*`` is standard attention), the dense first block ``+-``, then
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +34,7 @@ from pretrain_runs import TRAIN, losses, run
 from test_deepseek_v3_proxy import MTP, proxy_flags
 
 from dualpipe_megatron.eplb.experts import _layer_key
+from dualpipe_megatron.trace import analyze, load
 from dualpipe_megatron.megatron.hybrid import stage_layout, stage_segments
 from dualpipe_megatron.megatron.support import argument_problems
 from dualpipe_megatron.schedules import ScheduleError
@@ -48,7 +51,7 @@ STAGES = re.compile(r"dualpipe: HybridModel layers by model stage: (\S+)")
 NO_OVERLAP = "DualPipe MoE F&B overlap off, running F then B: HybridModel has no build_schedule_plan"
 PROXY_PATTERN = "+-" + "+E" * 7 + "/+E"
 # The proxy's GPT-only flags: the pattern places the layers, MoE and MTP.
-GPT_ONLY = ("--num-layers", "--moe-layer-freq", "--mtp-num-layers", "--eplb-gpus-per-node")
+GPT_ONLY = ("--num-layers", "--moe-layer-freq", "--mtp-num-layers")
 PROXY_ITERS = 4
 BIAS_CHECKED = re.compile(r"^DualPipe expert-bias check: all (\d+) router copies equal", re.MULTILINE)
 MOVED = re.compile(r"^EPLB iteration (\d+): moved (\d+) expert", re.MULTILINE)
@@ -69,15 +72,17 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             *GPT4, *P2, "--pipeline-schedule", "dualpipev", "--load", str(gpt_init), "--no-load-optim",
             "--no-load-rng", *TRAIN, "--train-iters", "8", "--save", str(gpt_saved), "--save-interval", "3",
             "--exit-interval", "3"])
+        extra = {"dualpipev": ["--save", str(hybrid_saved), "--save-interval", "6"],
+                 "dualpipe": ["--dualpipe-trace", str(out / "trace")]}
         for schedule in ("1f1b", "dualpipev", "dualpipe"):
-            save = ["--save", str(hybrid_saved), "--save-interval", "6"] if schedule == "dualpipev" else []
             logs[schedule] = run(schedule, out, 2, [*DENSE, "--pipeline-schedule", schedule, "--load", str(gpt_saved),
-                                                    *TRAIN, "--train-iters", "8", *save])
+                                                    *TRAIN, "--train-iters", "8", *extra.get(schedule, [])])
         logs["dualpipe_resumed"] = run("dualpipe_resumed", out, 2, [
             *DENSE, "--pipeline-schedule", "dualpipe", "--load", str(hybrid_saved), "--ckpt-step", "6", *TRAIN,
             "--train-iters", "8"])
     except LaunchFailed as exc:
         _failing(exc)
+    logs["trace"] = str(out / "trace")
     return logs
 
 
@@ -111,6 +116,14 @@ def test_hybrid_checkpoint_resumes_under_the_other_schedule(dense: dict[str, str
 def test_weight_grad_split_ran(dense: dict[str, str], schedule: str) -> None:
     found = W_SPLIT.findall(dense[schedule])
     assert found and int(found[0]) > 0, found
+
+
+def test_trace_of_a_hybrid_run(dense: dict[str, str]) -> None:
+    traces = load(Path(dense["trace"]))
+    assert [t.pipeline_rank for t in traces] == [0, 1]
+    assert all(len(t.steps) == 5 for t in traces)  # iterations 4-8
+    (report,) = analyze(traces, skip=1)
+    assert report.schedule.name == "dualpipe" and report.schedule.microbatches == 16
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,15 @@ split evenly. ``--dualpipe-layout`` does not apply (the pattern already says whe
 The embedding opens stage 0; the MTP depths (``/...``) and the loss close the last stage.
 
 Megatron's own segment choice (``select_pipeline_segment``) assumes looped placement (segment
-``vp*P + pp``); :func:`select_stage_segment` answers for the active stage map instead, keeping
-every layer's global number.
+``vp*P + pp``); while a stage map is active it answers by this rule instead (``predicates``),
+keeping every layer's global number.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from ..schedules import ScheduleError
-from .predicates import active_stage_map
 
 PIPE, MTP = "|", "/"
 
@@ -60,18 +59,4 @@ def stage_layout(pattern: str, num_stages: int) -> tuple[int, str, int]:
     return sum(map(len, segments)), "|".join(stages), depths
 
 
-def select_stage_segment(original: Callable, main_pattern: str, pp_group: Any, vp_stage: int | None,
-                         *args: Any, **kwargs: Any) -> tuple[list[str], int]:
-    """``hybrid_layer_allocation.select_pipeline_segment`` under an active stage map: the layers
-    of the model stage chunk ``vp_stage`` holds, and the count of layers before it."""
-    stage_map = active_stage_map()
-    if stage_map is None:
-        return original(main_pattern, pp_group, vp_stage, *args, **kwargs)
-    from megatron.core.models.hybrid.hybrid_layer_allocation import validate_segment_layers
-
-    segments = stage_segments(main_pattern, stage_map.num_stages)
-    stage = stage_map.stage(pp_group.rank(), vp_stage or 0)
-    return validate_segment_layers(segments[stage]), sum(map(len, segments[:stage]))
-
-
-__all__ = ["layer_pattern", "mtp_depths", "select_stage_segment", "stage_layout", "stage_segments"]
+__all__ = ["layer_pattern", "mtp_depths", "stage_layout", "stage_segments"]

@@ -11,8 +11,9 @@ for an explicit ``vp_stage``, for the chunk our schedule is running (set with
 The pg-based ``pipeline_parallel.utils.is_pp_first_stage``/``is_pp_last_stage``
 keep their meaning (rank topology) and are not touched; only the MTP module's own
 copy of ``is_vp_last_stage`` answers for our placement (see ``_install_mtp_placement``),
-and ``Float16Module`` casts to fp32 the output of the chunks the map calls last
-(see ``_install_float16_placement``).
+``Float16Module`` casts to fp32 the output of the chunks the map calls last
+(see ``_install_float16_placement``), and a HybridModel chunk builds the layers of its model stage
+(see ``_install_hybrid_segments``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Callable, Iterator
 from megatron.core import parallel_state
 
 from ..patch_guard import PatchSet
+from .hybrid import stage_segments
 from .topology import StageMap
 
 _active: list[StageMap] = []  # entered around each step (innermost last)
@@ -91,6 +93,7 @@ def install_predicates() -> None:
         PATCHES.patch(parallel_state, name, predicate, "(ignore_virtual=True, vp_stage=None)")
     _install_mtp_placement()
     _install_float16_placement()
+    _install_hybrid_segments()
 
 
 def _install_mtp_placement() -> None:
@@ -134,3 +137,27 @@ def _install_float16_placement() -> None:
         return float16_to_fp32(outputs) if fp32_output and last else outputs
 
     PATCHES.patch(Float16Module, "forward", forward, "(self, *inputs, fp32_output=True, **kwargs)")
+
+
+def _install_hybrid_segments() -> None:
+    """A HybridModel chunk builds its layers from Megatron's ``select_pipeline_segment``, which reads
+    the pattern's ``|`` segments as looped placement (segment ``vp*P + pp``). While a stage map is
+    active it gives the layers of the model stage the chunk holds (:mod:`.hybrid`'s rule) and the
+    count of layers before it, so every layer keeps its global number."""
+    from megatron.core.models.hybrid import hybrid_layer_allocation as allocation
+
+    if PATCHES.is_patched(allocation, "select_pipeline_segment"):
+        return
+    original = allocation.select_pipeline_segment
+
+    def select_pipeline_segment(main_pattern, pp_group, vp_stage, *args, **kwargs):
+        stage_map = active_stage_map()
+        if stage_map is None:
+            return original(main_pattern, pp_group, vp_stage, *args, **kwargs)
+        segments = stage_segments(main_pattern, stage_map.num_stages)
+        stage = stage_map.stage(pp_group.rank(), vp_stage or 0)
+        return allocation.validate_segment_layers(segments[stage]), sum(map(len, segments[:stage]))
+
+    PATCHES.patch(allocation, "select_pipeline_segment", select_pipeline_segment,
+                  "(main_pattern, pp_group, vp_stage, first_stage_layers=None, last_stage_layers=None, "
+                  "tp_group=None, dp_cp_group=None)")

@@ -20,14 +20,15 @@
 - ``training.get_forward_backward_func``: returns our schedule;
 - ``checkpointing.check_checkpoint_args``: refuses an optimizer state saved under another
   schedule in a layout that cannot move (the distributed optimizer's default format);
-- ``hybrid_layer_allocation.select_pipeline_segment``: a HybridModel chunk builds the layers of
-  its model stage (``--hybrid-layer-pattern``'s ``|`` segments in model order, see ``hybrid``);
 - ``parallel_state.is_pipeline_first_stage`` and ``parallel_state.is_pipeline_last_stage``
   (through :func:`install_predicates`): answer for our stage placement while a stage map is
   active, and as Megatron's own otherwise;
 - ``multi_token_prediction.is_vp_last_stage`` and ``module.Float16Module.forward`` (also through
   :func:`install_predicates`): while a stage map is active, the MTP block is built, and the fp32
-  output cast applied, at the chunks holding the last model stage.
+  output cast applied, at the chunks holding the last model stage;
+- ``hybrid_layer_allocation.select_pipeline_segment`` (also through :func:`install_predicates`):
+  while a stage map is active, a HybridModel chunk builds the layers of its model stage
+  (``--hybrid-layer-pattern``'s ``|`` segments in model order, see ``hybrid``).
 
 Building the model under our schedules adds, through :func:`prepare_model` (run by either
 building hook), the weight-gradient deferral patches of
@@ -59,7 +60,7 @@ from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_
 from .predicates import install_predicates, set_job_stage_map
 from .job import DualPipeJob
 from .schedule import DualPipeOptions, check_activation_budget, make_forward_backward_func
-from .hybrid import layer_pattern, select_stage_segment, stage_segments
+from .hybrid import layer_pattern, stage_segments
 from .support import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, job_layers, stage_map_for
 
 CHOICES = MEGATRON_SCHEDULES + SCHEDULES
@@ -190,8 +191,8 @@ def pre_validate(args: argparse.Namespace) -> None:
         raise ValueError("; ".join(problems))
     if hybrid:
         if args.rank == 0:
-            segments = stage_segments(layer_pattern(args), stage_map_for(args.pipeline_schedule,
-                                                                           args.pipeline_model_parallel_size).num_stages)
+            stages = stage_map_for(args.pipeline_schedule, args.pipeline_model_parallel_size).num_stages
+            segments = stage_segments(layer_pattern(args), stages)
             print(f"dualpipe: HybridModel layers by model stage: {'|'.join(segments)}", flush=True)
     elif getattr(args, "dualpipe_layout", None) is not None:
         # Without a layout Megatron asks --num-layers to divide by P (DeepSeek-V3's 61 at P=16
@@ -392,7 +393,6 @@ def install() -> None:
     check_version()
     from megatron.core import parallel_state
     from megatron.training import arguments, checkpointing, training
-    from megatron.core.models.hybrid import hybrid_layer_allocation
     from megatron.training import models
     from megatron.training.models import dist_utils
 
@@ -417,9 +417,6 @@ def install() -> None:
          "(pp_size=None, vp_size=None, schedule_pg_collection=None)"),
         (checkpointing, "check_checkpoint_args", _check_checkpoint_args,
          "(checkpoint_args, skip_args=None)"),
-        (hybrid_layer_allocation, "select_pipeline_segment", select_stage_segment,
-         "(main_pattern, pp_group, vp_stage, first_stage_layers=None, last_stage_layers=None, "
-         "tp_group=None, dp_cp_group=None)"),
     ):
         PATCHES.patch(owner, name, around(getattr(owner, name), hook), signature)
 

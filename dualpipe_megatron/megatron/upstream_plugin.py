@@ -10,8 +10,9 @@ registers EPLB's flags, which this module must not import).
 
 Still replaced at runtime, on the first ``stage_map_active``: the two stage predicates
 (``megatron.core.parallel_state.is_pipeline_first_stage`` and ``is_pipeline_last_stage``), MTP's
-``is_vp_last_stage`` and ``Float16Module.forward`` (``predicates.install_predicates``). They are
-megatron-core, not the training loop, and our schedule activates its stage map through them.
+``is_vp_last_stage``, ``Float16Module.forward`` and HybridModel's ``select_pipeline_segment``
+(``predicates.install_predicates``). They are megatron-core, not the training loop, and our
+schedule activates its stage map through them.
 """
 
 from __future__ import annotations
