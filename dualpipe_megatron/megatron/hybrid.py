@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..schedules import ScheduleError
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 
-PIPE, MTP = "|", "/"
+from ..schedules import ScheduleError
 
 
 def layer_pattern(args: Any) -> str | None:
@@ -28,9 +28,9 @@ def layer_pattern(args: Any) -> str | None:
 
 def stage_segments(pattern: str, num_stages: int) -> list[str]:
     """The layer symbols of each model stage (see the module's rule)."""
-    main = pattern.split(MTP)[0]
-    if PIPE in main:
-        segments = main.split(PIPE)
+    main = parse_hybrid_pattern(pattern).main_pattern or ""
+    if Symbols.PIPE in main:
+        segments = main.split(Symbols.PIPE)
         if len(segments) != num_stages:
             raise ScheduleError(
                 f"--hybrid-layer-pattern {pattern!r} has {len(segments)} '|' segments; this schedule runs "
@@ -44,19 +44,15 @@ def stage_segments(pattern: str, num_stages: int) -> list[str]:
     return [main[i * per:(i + 1) * per] for i in range(num_stages)]
 
 
-def mtp_depths(pattern: str) -> int:
-    return len([part for part in pattern.split(MTP)[1:] if part])
-
-
 def stage_layout(pattern: str, num_stages: int) -> tuple[int, str, int]:
     """(decoder layers, Megatron layout string, MTP layers) of the pattern's stages: every symbol
     one decoder layer (``t``), so the stage map's :class:`~.topology.DualPipeLayout` follows."""
     segments = stage_segments(pattern, num_stages)
-    depths = mtp_depths(pattern)
+    depths = parse_hybrid_pattern(pattern).mtp_num_depths
     stages = ["t" * len(s) for s in segments]
     stages[0] = "E" + stages[0]
     stages[-1] += "m" * depths + "L"
     return sum(map(len, segments)), "|".join(stages), depths
 
 
-__all__ = ["layer_pattern", "mtp_depths", "stage_layout", "stage_segments"]
+__all__ = ["layer_pattern", "stage_layout", "stage_segments"]
