@@ -217,7 +217,7 @@ def is_placeholder(token: str) -> bool:
 
 
 def check_script(script: str, args: list[str], problems: list[str], line: str) -> None:
-    if script == "pretrain_gpt.py":  # Megatron-LM's own script, named bare in the docs
+    if script in ("pretrain_gpt.py", "pretrain_hybrid.py"):  # Megatron-LM's own scripts, named bare in the docs
         allowed = pretrain_flags()
     else:
         path = ROOT / script
