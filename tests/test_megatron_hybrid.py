@@ -1,7 +1,8 @@
 """HybridModel (Megatron-Core's successor to GPTModel) under DualPipeV and DualPipe equals Megatron's
 1F1B on the same model, built with our local hybrid spec (CPU, gloo, mock data).
 
-Dense, ``*-*-*-*-`` at P=2 (one GPT block is two hybrid layers, so this is the 4-layer GPT):
+Dense, ``*-*-*-*-`` at P=2 with q/k layernorm (one GPT block is two hybrid layers, so this is the
+4-layer GPT):
 
 - a 4-layer GPTModel starts at PP=1 and trains iterations 2-3 under DualPipeV, saving at 3;
 - that GPT checkpoint loads into the HybridModel (Megatron's load-time translation, optimizer state
@@ -41,8 +42,9 @@ from dualpipe_megatron.schedules import ScheduleError
 
 SPEC = ["--spec", "dualpipe_megatron.megatron.local_specs", "hybrid_stack_spec"]
 P2 = ["--pipeline-model-parallel-size", "2"]
-DENSE = [*SPEC, "--hybrid-layer-pattern", "*-*-*-*-", *P2]
-GPT4 = ["--num-layers", "4"]
+# q/k layernorm on standard attention: the local spec names torch's norm per layer (LocalAttentionLayer).
+DENSE = [*SPEC, "--hybrid-layer-pattern", "*-*-*-*-", "--qk-layernorm", *P2]
+GPT4 = ["--num-layers", "4", "--qk-layernorm"]
 RTOL = 1e-5
 FIRST = ["--train-iters", "1", "--lr", "0", "--min-lr", "0", "--lr-decay-style", "constant",
          "--lr-warmup-iters", "0"]
