@@ -35,10 +35,10 @@ from pretrain_runs import TRAIN, losses, run
 from test_deepseek_v3_proxy import MTP, proxy_flags
 
 from dualpipe_megatron.eplb.experts import _layer_key
-from dualpipe_megatron.trace import analyze, load
 from dualpipe_megatron.megatron.hybrid import stage_layout, stage_segments
 from dualpipe_megatron.megatron.support import argument_problems
 from dualpipe_megatron.schedules import ScheduleError
+from dualpipe_megatron.trace import analyze, load
 
 SPEC = ["--spec", "dualpipe_megatron.megatron.local_specs", "hybrid_stack_spec"]
 P2 = ["--pipeline-model-parallel-size", "2"]
@@ -70,7 +70,7 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     logs: dict[str, str] = {}
     try:
         run("gpt_init", out, 1, [*GPT4, *FIRST, "--save", str(gpt_init), "--save-interval", "1"])
-        logs["gpt_dualpipev"] = run("gpt_dualpipev", out, 2, [
+        run("gpt_dualpipev", out, 2, [
             *GPT4, *P2, "--pipeline-schedule", "dualpipev", "--load", str(gpt_init), "--no-load-optim",
             "--no-load-rng", *TRAIN, "--train-iters", "8", "--save", str(gpt_saved), "--save-interval", "3",
             "--exit-interval", "3"])
