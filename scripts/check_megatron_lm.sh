@@ -10,7 +10,7 @@
 #
 # MEGATRON_LM_DIR: a Megatron-LM checkout of branch core_r0.19.0 (never committed here); its
 # pretrain_gpt.py, pretrain_hybrid.py, gpt_builders.py, hybrid_builders.py and model_provider.py run
-# unmodified. About 15 minutes on 2 cores.
+# unmodified. About 12 minutes on 2 cores.
 # The matrix and the comparisons: scripts/check_megatron_lm.py; docs/compatibility.md.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
