@@ -359,6 +359,39 @@ def _install_recompute() -> None:
     PATCHES.patch(cls, "__init__", around(cls.__init__, init), "(self, fp8=False)")
 
 
+# --- te_fallbacks -------------------------------------------------------------------------
+
+
+def _install_te_fallbacks() -> None:
+    """Where Transformer Engine is installed (the TE tier, Megatron-Bridge), Megatron picks its
+    CUDA kernels wherever no layer spec decides: the optimizers' multi-tensor grad norm and
+    scaling, the fused Adam and SGD, and a ``TransformerBlock``'s final norm. Without a GPU these become
+    the local implementations Megatron itself falls back to when TE is absent."""
+    from megatron.core import optimizer as optimizer_package
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.utils import (
+        local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale,
+    )
+
+    if not transformer_block.HAVE_TE:
+        return
+    for owner, name, local in (
+        (clip_grads, "multi_tensor_applier", local_multi_tensor_applier),
+        (clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm),
+        (clip_grads, "multi_tensor_scale_impl", local_multi_tensor_scale),
+        (clip_grads, "multi_tensor_scale_tensor_impl", None),
+        (optimizer, "multi_tensor_applier", local_multi_tensor_applier),
+        (optimizer, "multi_tensor_scale_impl", local_multi_tensor_scale),
+        (optimizer_package, "USING_PYTORCH_OPTIMIZER", True),
+        (optimizer_package, "Adam", torch.optim.AdamW),
+        (optimizer_package, "SGD", torch.optim.SGD),
+        (transformer_block, "LayerNormImpl", WrappedTorchNorm),
+    ):
+        PATCHES.patch(owner, name, local)
+
+
 # --- pretrain -----------------------------------------------------------------------------
 
 
@@ -379,17 +412,11 @@ _INITIALIZE_MEGATRON = (
 _NO_STREAM_ORDER_ARCH = 10
 
 
-def _install_pretrain() -> None:
-    """`megatron.training.pretrain()`: CUDA assert, GPU-count gated init, and argument
-    validation's GPU-architecture query (asked whenever TP or CP > 1)."""
-    try:
-        from megatron.training import arguments, training
-    except ImportError as exc:
-        raise _Unavailable(f"megatron.training is not importable ({exc})") from exc
-
-    init = training.initialize_megatron
-    device_count = torch.cuda.device_count
-
+def initializing_without_cuda(init: Callable[..., Any]) -> Callable[..., Any]:
+    """``init`` (an ``initialize_megatron``: Megatron's, or Megatron-Bridge's) called with
+    ``allow_no_cuda=True`` while ``torch.cuda.device_count`` claims a device (the ``pretrain``
+    group patches it), since with none initialization silently skips model-parallel init and
+    RNG seeding."""
     @functools.wraps(init)
     def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
         global _initializing
@@ -400,12 +427,25 @@ def _install_pretrain() -> None:
         finally:
             _initializing -= 1
 
+    return initialize_megatron
+
+
+def _install_pretrain() -> None:
+    """`megatron.training.pretrain()`: CUDA assert, GPU-count gated init, and argument
+    validation's GPU-architecture query (asked whenever TP or CP > 1)."""
+    try:
+        from megatron.training import arguments, training
+    except ImportError as exc:
+        raise _Unavailable(f"megatron.training is not importable ({exc})") from exc
+
+    device_count = torch.cuda.device_count
+
     def count_devices() -> int:
-        # With no device, initialization silently skips model-parallel init and RNG seeding;
-        # claim one only while it runs so nothing else believes a GPU exists.
+        # Claim one only while initialization runs so nothing else believes a GPU exists.
         return max(1, device_count()) if _initializing else device_count()
 
-    PATCHES.patch(training, "initialize_megatron", initialize_megatron, _INITIALIZE_MEGATRON)
+    PATCHES.patch(training, "initialize_megatron", initializing_without_cuda(training.initialize_megatron),
+                  _INITIALIZE_MEGATRON)
     PATCHES.patch(torch.cuda, "device_count", count_devices, [])
     # CPU work runs in program order, so TP/CP need no single-connection CUDA stream ordering:
     # answer as the architecture for which Megatron asks for none (only its arguments check asks).
@@ -441,6 +481,7 @@ GROUPS: dict[str, Callable[[], None]] = {
     "norms": _install_norms,
     "mla": _install_mla,
     "recompute": _install_recompute,
+    "te_fallbacks": _install_te_fallbacks,
     "pretrain": _install_pretrain,
     "dataset_helpers": _install_dataset_helpers,
 }
@@ -506,6 +547,7 @@ __all__ = [
     "HostStream",
     "PATCHES",
     "install_cpu_compat",
+    "initializing_without_cuda",
     "installed_groups",
     "uninstall_cpu_compat",
 ]

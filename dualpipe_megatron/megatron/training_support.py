@@ -90,6 +90,12 @@ def active_options() -> DualPipeOptions | None:
     return _state["options"]
 
 
+def set_active_options(options: DualPipeOptions | None) -> None:
+    """The job our hooks serve, for routes that configure it without Megatron's arguments
+    (Megatron-Bridge's ``enable``); None: Megatron's own behaviour again."""
+    _state["options"] = options
+
+
 def active_job() -> DualPipeJob | None:
     """The job our schedules run (where other features register step-end actions); None when
     ``--pipeline-schedule`` is not one of ours."""
@@ -358,7 +364,8 @@ def _build_virtual_pipeline_stages(original: Callable, build_model_func: Callabl
     return model
 
 
-def _get_forward_backward_func(original: Callable, *args: Any, **kwargs: Any) -> Callable:
+def forward_backward_func_hook(original: Callable, *args: Any, **kwargs: Any) -> Callable:
+    """Around a ``get_forward_backward_func`` binding: our schedule while a job of ours is active."""
     options = _state["options"]
     return original(*args, **kwargs) if options is None else make_forward_backward_func(options)
 
@@ -413,7 +420,7 @@ def install() -> None:
          _BUILD_VIRTUAL_PIPELINE_STAGES),
         (models, "build_virtual_pipeline_stages", _build_virtual_pipeline_stages,
          _BUILD_VIRTUAL_PIPELINE_STAGES),
-        (training, "get_forward_backward_func", _get_forward_backward_func,
+        (training, "get_forward_backward_func", forward_backward_func_hook,
          "(pp_size=None, vp_size=None, schedule_pg_collection=None)"),
         (checkpointing, "check_checkpoint_args", _check_checkpoint_args,
          "(checkpoint_args, skip_args=None)"),
@@ -427,5 +434,6 @@ def uninstall() -> None:
 
 
 __all__ = ["CHOICES", "PATCHES", "activate_job_stage_map", "active_job", "active_options", "add_arguments",
-           "check_checkpoint_schedule", "chunk_pre_post_process", "install", "job_embedding_ranks",
-           "pipeline_position", "post_validate", "pre_validate", "register_arguments", "uninstall"]
+           "check_checkpoint_schedule", "chunk_pre_post_process", "forward_backward_func_hook", "install",
+           "job_embedding_ranks", "pipeline_position", "post_validate", "pre_validate", "register_arguments",
+           "set_active_options", "uninstall"]
