@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench nccl-sweep gpu-check clean
+.PHONY: setup setup-te test demo bench nccl-sweep gpu-check clean
 
 setup: $(STAMP)
 
@@ -15,8 +15,15 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
+# The optional Transformer Engine tier's .venv-te over .venv (TE's torch binding built from its sdist
+# once, about 10 minutes on 2 cores; from pip's wheel cache after that).
+setup-te: setup
+	bash scripts/setup_te.sh
+
+# The main suite, then the TE tier (tests/te), or one line saying why it is skipped.
 test: setup
 	$(PY) -m pytest -q
+	bash scripts/te_tier.sh
 
 demo: setup
 	$(PY) -m dualpipe_megatron.schedules compare --ranks 4 --microbatches 20 --W 0.8 --FB 2.5 --c 0.1
@@ -48,4 +55,4 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-te outputs .pytest_cache .hypothesis

@@ -12,3 +12,6 @@ from launcher import STRICT_ENV  # noqa: E402 - found through the path above
 # step that could deadlock on NCCL fails (dualpipe_megatron/runtime/strict.py). The launcher
 # gives it to every rank it starts; this process has it too.
 os.environ.setdefault(STRICT_ENV, "1")
+
+# The Transformer Engine tier (tests/te) runs apart, in .venv-te: scripts/te_tier.sh.
+collect_ignore = ["te"]

@@ -1,8 +1,10 @@
 """Deferral of Megatron's delayed wgrad (``TransformerLayerNode.backward_dw``) to a schedule's W.
 
-Transformer Engine is not installable here, so the TE modules are stood in for by a module whose
-``backward_dw`` records its calls; the node is Megatron's own ``TransformerLayerNode`` with its
-own ``backward_dw`` running underneath our patch.
+The TE modules are stood in for by a module whose ``backward_dw`` records its calls, so that these
+checks run in every ``make test``, Transformer Engine installed or not; the node is Megatron's own
+``TransformerLayerNode`` with its own ``backward_dw`` running underneath our patch. The TE tier
+(tests/te/test_te_wgrad.py, in ``.venv-te``) runs the node checks on real TE linears and TE's own
+queue, and tests/te/test_te_chunks.py every TE linear of the DeepSeek-V3 proxy's chunks.
 """
 
 from __future__ import annotations
