@@ -362,14 +362,22 @@ def _install_recompute() -> None:
 # --- te_fallbacks -------------------------------------------------------------------------
 
 
+# MoE kernels moe_utils takes from TE when it imports (None without TE: the router's GEMM in torch).
+_TE_MOE_KERNELS = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                   "fused_permute_and_pad_with_probs", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                   "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute",
+                   "te_general_gemm")
+
+
 def _install_te_fallbacks() -> None:
     """Where Transformer Engine is installed (the TE tier, Megatron-Bridge), Megatron picks its
     CUDA kernels wherever no layer spec decides: the optimizers' multi-tensor grad norm and
-    scaling, the fused Adam and SGD, and a ``TransformerBlock``'s final norm. Without a GPU these become
+    scaling, the fused Adam and SGD, a ``TransformerBlock``'s final norm and the MoE router's GEMM. Without a GPU these become
     the local implementations Megatron itself falls back to when TE is absent."""
     from megatron.core import optimizer as optimizer_package
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.utils import (
         local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale,
@@ -388,6 +396,7 @@ def _install_te_fallbacks() -> None:
         (optimizer_package, "Adam", torch.optim.AdamW),
         (optimizer_package, "SGD", torch.optim.SGD),
         (transformer_block, "LayerNormImpl", WrappedTorchNorm),
+        *((moe_utils, name, None) for name in _TE_MOE_KERNELS),
     ):
         PATCHES.patch(owner, name, local)
 
