@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-te test demo bench nccl-sweep gpu-check clean
+.PHONY: setup setup-te setup-bridge test test-bridge demo bench nccl-sweep gpu-check clean
 
 setup: $(STAMP)
 
@@ -20,10 +20,18 @@ $(STAMP): requirements.txt pyproject.toml
 setup-te: setup
 	bash scripts/setup_te.sh
 
+# The optional Megatron-Bridge tier's .venv-bridge over .venv-te (requirements-bridge.txt).
+setup-bridge: setup-te
+	bash scripts/setup_bridge.sh
+
 # The main suite, then the TE tier (tests/te), or one line saying why it is skipped.
 test: setup
 	$(PY) -m pytest -q
-	bash scripts/te_tier.sh
+	bash scripts/tier.sh te
+
+# Megatron-Bridge's pretrain() under our schedules against its own 1F1B (about 5 minutes).
+test-bridge:
+	bash scripts/tier.sh bridge
 
 demo: setup
 	$(PY) -m dualpipe_megatron.schedules compare --ranks 4 --microbatches 20 --W 0.8 --FB 2.5 --c 0.1
@@ -55,4 +63,4 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .venv-te outputs .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-te .venv-bridge outputs .pytest_cache .hypothesis

@@ -12,6 +12,8 @@ lines. Environment:
   Megatron's schedule plans (in bf16, which Megatron asks for; default 1);
 - ``PP``: pipeline size (default 2; ``1`` with ``SAVE`` writes a start point);
 - ``ITERS``: training iterations (default 6);
+- ``TRACE``: record our schedule's executed ops there (``python -m dualpipe_megatron.trace``);
+- ``DUALPIPE_MOCK_DOCUMENTS``: keep that many documents of Megatron's mock corpus (faster start);
 - ``SAVE``: save a checkpoint there at the last iteration; ``LOAD``: start from that checkpoint's
   weights (Bridge's ``pretrained_checkpoint``), so runs of different layouts start alike.
 
@@ -77,7 +79,8 @@ def _config():
         checkpoint=CheckpointConfig(save=SAVE, save_interval=ITERS if SAVE else None, pretrained_checkpoint=LOAD,
                                     ckpt_format="torch_dist"),
         dist=DistributedInitConfig(distributed_backend="gloo" if not torch.cuda.is_available() else "nccl"),
-        ddp=DistributedDataParallelConfig(use_distributed_optimizer=False),
+        # Gradients accumulate in fp32 (as Bridge's recipes set it): bf16 buffers would round each sum.
+        ddp=DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True),
         rng=RNGConfig(seed=1234),
     )
 
@@ -88,14 +91,16 @@ def train() -> None:
 
     import dualpipe_megatron.bridge as dualpipe_bridge
     from dualpipe_megatron.bridge.compat import install_bridge_compat
+    from dualpipe_megatron.routes import limit_mock_corpus
 
     install_bridge_compat()
+    limit_mock_corpus()
     cfg = _config()
     if SCHEDULE != "1f1b":
         # MoE: each F&B op overlaps one micro-batch's all-to-alls with the other's compute through
         # Megatron's schedule plans, which Bridge's forward step builds only with this set.
         cfg.model.overlap_moe_expert_parallel_comm = OVERLAP
-        dualpipe_bridge.enable(cfg, SCHEDULE, moe_overlap=OVERLAP)
+        dualpipe_bridge.enable(cfg, SCHEDULE, moe_overlap=OVERLAP, trace_dir=os.environ.get("TRACE"))
     pretrain(cfg, forward_step)
 
 

@@ -1,4 +1,4 @@
-# Sourced by scripts/setup_te.sh and scripts/te_tier.sh: the two variables Transformer Engine needs
+# Sourced by scripts/setup_te.sh, setup_bridge.sh and tier.sh: the two variables Transformer Engine needs
 # to load in .venv-te. Its loader looks for cuDNN and NVRTC only under its own venv's nvidia/ (or
 # CUDA_HOME, searched recursively), and its extension links cuBLAS and NCCL, which live in
 # .venv's nvidia/ (torch's CUDA wheels). Needs MAIN_VENV set.

@@ -13,5 +13,5 @@ from launcher import STRICT_ENV  # noqa: E402 - found through the path above
 # gives it to every rank it starts; this process has it too.
 os.environ.setdefault(STRICT_ENV, "1")
 
-# The Transformer Engine tier (tests/te) runs apart, in .venv-te: scripts/te_tier.sh.
-collect_ignore = ["te"]
+# The Transformer Engine and Megatron-Bridge tiers run apart, in their venvs: scripts/tier.sh.
+collect_ignore = ["te", "bridge"]
