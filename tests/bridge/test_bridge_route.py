@@ -102,3 +102,16 @@ def test_hooked_predicates_give_each_chunk_its_role(schedule: str, monkeypatch: 
     set_job_stage_map(None)
     assert model_provider.is_vp_last_stage(vp_stage=1, vp_size=2)  # Megatron's own answer again
     assert not model_provider.is_vp_last_stage(vp_stage=0, vp_size=2)
+
+
+def test_the_deepseek_v3_recipe_layout_of_the_docs() -> None:
+    """docs/training.md's example: Bridge's DeepSeek-V3 recipe (61 layers, MTP 1, PP 16) under
+    dualpipev with its layout string. (The recipe itself reads DeepSeek-V3's config from Hugging
+    Face, which this machine cannot reach: its shape is set here.)"""
+    cfg = _config(num_layers=61, mtp_num_layers=1, pipeline_model_parallel_size=16)
+    route.enable(cfg, "dualpipev", layout="Et|(tt|)*29t|tmL")
+    layout = cfg.model.pipeline_model_parallel_layout
+    assert layout.stage_map.num_stages == 32 and cfg.model.virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(ValueError, match="needs 32"):
+        route.enable(_config(num_layers=61, mtp_num_layers=1, pipeline_model_parallel_size=16), "dualpipev",
+                     layout="Et|(tt|)*29ttmL")
