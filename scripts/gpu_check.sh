@@ -38,6 +38,13 @@
 #                  op; traces, reports and figures go into one archive, profile.tar.gz
 #   calibrate      `python -m dualpipe_megatron.projection calibrate` on the dualpipev run's trace:
 #                  per-layer op costs and communication measured on the GPU (in profile.tar.gz)
+#   te_setup       Transformer Engine from carried wheels in .whl/ when the image lacks it (docs/nccl.md,
+#                  "Carrying Transformer Engine"); the TE sections SKIP in a CPU dry run
+#   te_pp2         TE layers (--transformer-impl transformer_engine, bf16), dualpipev at PP=2 against
+#                  Megatron's 1F1B from one PP=1 checkpoint: lm loss of iterations 2-4 to 1e-4
+#   te_fp8         the same with --fp8-format hybrid --fp8-recipe tensorwise (H100/H200), to 1e-3
+#   te_wgrad       --delay-wgrad-compute (TE's queued weight GEMMs run at our W ops) with the MoE
+#                  F&B overlap: an MoE at EP=2 x PP=2, 4 ranks, so 2 GPUs; SKIP on one
 # The four two-rank sections need NCCL >= 2.30 (older NCCL refuses two ranks on one GPU; the
 # device tool's H200 image has 2.28.9: docs/nccl.md says how 2.32.6 was put in its place); with
 # --cpu-dry-run they run on CPU with gloo instead. Every launched command has a hard timeout, so
@@ -499,6 +506,110 @@ EOF
         [[ $ref_rc == 0 ]] || show_tail "$reference_log" 30
         record megatron_budget FAIL "$WHAT: exit status $rc (1F1B $ref_rc); lm loss $budget against 1F1B's $reference"
     fi
+fi
+
+# -- Transformer Engine: TE layers under dualpipev against Megatron's 1F1B ---------------------------
+header "te_setup"
+# TE's torch binding is built from its sdist (make setup-te builds it here, tied to torch 2.13.0+cu130
+# and cp312); a GPU machine without an index gets it and its pure-Python requirements as carried
+# wheels in .whl/ (docs/nccl.md, "Carrying Transformer Engine"). Installed beside megatron-core.
+have_te() { timeout "$ENV_TIMEOUT" "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; }
+TE_SKIP=""
+if [[ "$DRY_RUN" == 1 ]]; then
+    TE_SKIP="Transformer Engine cannot run without a GPU (tests/te checks its construction on CPU: make setup-te)"
+    record te_setup SKIP "$TE_SKIP"
+elif ! selected te_pp2 && ! selected te_fp8 && ! selected te_wgrad; then
+    TE_SKIP="not selected (GPU_CHECK_ONLY=$ONLY)"
+    record te_setup SKIP "$TE_SKIP"
+elif have_te; then
+    record te_setup SKIP "not needed: $PY imports transformer_engine.pytorch"
+elif ! compgen -G ".whl/transformer_engine_torch-*.whl" >/dev/null; then
+    TE_SKIP="no Transformer Engine in $PY and no .whl/transformer_engine_torch-*.whl carried"
+    record te_setup SKIP "$TE_SKIP"
+elif [[ "$TORCH" != 2.13.0* ]]; then
+    TE_SKIP="the carried TE binding is built for torch 2.13.0; this machine has torch $TORCH (build TE here)"
+    record te_setup SKIP "$TE_SKIP"
+elif "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu_check_te .whl/transformer_engine*.whl .whl/te_deps/*.whl; then
+    export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_te"
+    if have_te; then record te_setup PASS "Transformer Engine from .whl/"
+    else TE_SKIP="installed .whl/ but transformer_engine.pytorch does not import"; record te_setup FAIL "$TE_SKIP"; fi
+else
+    TE_SKIP="pip could not install .whl/transformer_engine*.whl"
+    record te_setup FAIL "$TE_SKIP"
+fi
+
+# te_against_1f1b SECTION NPROC TOLERANCE ARGS...: from one PP=1 checkpoint (as megatron_budget) with
+# the TE layer spec in bf16, dualpipev (ARGS and TE_OURS) and Megatron's own 1F1B (ARGS) train
+# iterations 2-4; PASS when each lm loss agrees to TOLERANCE relative (bf16 GEMMs accumulate in
+# another order under the two schedules).
+TE_MODEL=(--transformer-impl transformer_engine --bf16 --num-layers 4 --hidden-size 256
+          --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 --vocab-size 1024
+          --position-embedding-type rope --untie-embeddings-and-output-weights
+          --hidden-dropout 0 --attention-dropout 0)
+te_against_1f1b() {
+    local section=$1 nproc=$2 tolerance=$3 init="$SCRATCH/$1_init" ours="$SCRATCH/$1.log"
+    local reference="$SCRATCH/$1_1f1b.log" skip rc ref_rc
+    shift 3
+    skip=${TE_SKIP:-$(pretrain_skip "$section")}
+    if [[ -n "$skip" ]]; then record "$section" SKIP "$skip"; return; fi
+    pretrain_on_gpu0 "$(( nproc / 2 ))" "$SCRATCH/$section.init.log" "${TE_MODEL[@]}" "$@" \
+        --pipeline-model-parallel-size 1 --train-iters 1 --lr 0 --min-lr 0 --lr-decay-style constant \
+        --lr-warmup-iters 0 --save "$init" --save-interval 1
+    local from_init=(--train-iters 4 --load "$init" --no-load-optim --no-load-rng)
+    pretrain_on_gpu0 "$nproc" "$ours" "${TE_MODEL[@]}" "$@" "${PARALLEL[@]}" "${TE_OURS[@]}" "${from_init[@]}"
+    rc=$?
+    pretrain_on_gpu0 "$nproc" "$reference" "${TE_MODEL[@]}" "$@" \
+        --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b "${from_init[@]}"
+    ref_rc=$?
+    local got want agree
+    got=$(lm_losses "$ours" | paste -sd' ') want=$(lm_losses "$reference" | paste -sd' ')
+    echo "lm loss, dualpipev: $got"
+    echo "lm loss, 1F1B:      $want"
+    agree=$("$PY" - "$got" "$want" "$tolerance" <<'EOF'
+import sys
+got, want = (list(map(float, a.split())) for a in sys.argv[1:3])
+rel = float(sys.argv[3])
+print(int(len(got) == len(want) == 3 and all(abs(g - w) <= rel * abs(w) for g, w in zip(got, want))))
+EOF
+)
+    if [[ $rc == 0 && $ref_rc == 0 && "$agree" == 1 ]]; then
+        record "$section" PASS "NCCL $NCCL, $nproc ranks: lm loss of iterations 2-4 equal to 1F1B's to $tolerance"
+    else
+        show_tail "$SCRATCH/$section.init.log" 20
+        show_tail "$ours" 30
+        [[ $ref_rc == 0 ]] || show_tail "$reference" 30
+        record "$section" FAIL "exit status $rc (1F1B $ref_rc); lm loss $got against 1F1B's $want"
+    fi
+}
+
+header "te_pp2"
+TE_OURS=()
+te_against_1f1b te_pp2 2 1e-4
+
+header "te_fp8"
+# FP8 GEMMs (E4M3 forward, E5M2 gradients) with per-tensor current scaling: no amax history, so the
+# schedules' other order of micro-batches cannot change a scale; Hopper or newer.
+fp8_ok=$("$PY" -c "import torch; print(int(torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)))" 2>/dev/null)
+if [[ -z "$TE_SKIP" && "$fp8_ok" != 1 ]]; then
+    record te_fp8 SKIP "FP8 needs compute capability 8.9 or newer"
+else
+    te_against_1f1b te_fp8 2 1e-3 --fp8-format hybrid --fp8-recipe tensorwise
+fi
+
+header "te_wgrad"
+# --delay-wgrad-compute: TE's linears queue each weight GEMM for our W ops, which needs the MoE F&B
+# overlap, so an MoE at EP=2 x PP=2: 4 ranks, and NCCL puts at most two on one GPU.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+if [[ -z "$TE_SKIP" && "${gpus:-0}" -lt 2 ]]; then
+    record te_wgrad SKIP "needs 4 ranks (an MoE at EP=2 x PP=2; NCCL allows two ranks per GPU): 2 GPUs, found ${gpus:-0}"
+else
+    MOE_WGRAD=(--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm
+               --expert-model-parallel-size 2 --disable-bias-linear --global-batch-size 8)
+    TE_OURS=(--overlap-moe-expert-parallel-comm --delay-wgrad-compute)
+    PIN_GPU0=(--no-python bash -c 'LOCAL_RANK=$(( LOCAL_RANK % 2 )) exec "$0" "$@"' "$PY")
+    te_against_1f1b te_wgrad 4 1e-4 "${MOE_WGRAD[@]}"
+    PIN_GPU0=(--no-python bash -c 'LOCAL_RANK=0 exec "$0" "$@"' "$PY")
 fi
 
 # -- profile: the Megatron sections' profiler traces read back ------------------------------------
