@@ -8,20 +8,13 @@ cd "$(dirname "$0")/.."
 MAIN_VENV=$PWD/.venv
 TE_VENV=${TE_VENV:-.venv-te}
 BRIDGE_VENV=${BRIDGE_VENV:-.venv-bridge}
+SETUP=setup-bridge
 start=$SECONDS
-
-fail() {
-  echo "setup-bridge FAILED: $*" >&2
-  exit 1
-}
+source scripts/layered_venv.sh
 
 [ -x "$TE_VENV/bin/python" ] || fail "$TE_VENV does not exist: run make setup-te first"
-[ -x "$BRIDGE_VENV/bin/python" ] || "$MAIN_VENV/bin/python" -m venv --without-pip "$BRIDGE_VENV" \
-  || fail "could not create $BRIDGE_VENV"
-te_site=$("$TE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-bridge_site=$("$BRIDGE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-echo "import site; site.addsitedir('$te_site')" >"$bridge_site/te_venv.pth"
-echo "$PWD/scripts/nvrx_stand_in" >"$bridge_site/nvrx_stand_in.pth"
+layer_venv "$BRIDGE_VENV" "$TE_VENV" te_venv
+echo "$PWD/scripts/nvrx_stand_in" >"$VENV_SITE/nvrx_stand_in.pth"
 "$MAIN_VENV/bin/python" -m pip --python "$BRIDGE_VENV/bin/python" install -q --no-deps -r requirements-bridge.txt \
   || fail "pip could not install requirements-bridge.txt into $BRIDGE_VENV"
 

@@ -10,20 +10,13 @@ cd "$(dirname "$0")/.."
 MAIN_VENV=$PWD/.venv
 TE_VENV=${TE_VENV:-.venv-te}
 TE_TORCH=transformer-engine-torch==2.20.2  # sdist only; the same version as transformer-engine in requirements-te.txt
+SETUP=setup-te
 start=$SECONDS
-
-fail() {
-  echo "setup-te FAILED: $*" >&2
-  exit 1
-}
+source scripts/layered_venv.sh
 
 [ -x "$MAIN_VENV/bin/python" ] || fail "$MAIN_VENV does not exist: run make setup first"
-[ -x "$TE_VENV/bin/python" ] || "$MAIN_VENV/bin/python" -m venv --without-pip "$TE_VENV" \
-  || fail "could not create $TE_VENV"
-main_site=$("$MAIN_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-te_site=$("$TE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-# addsitedir, not a bare path: .venv's own .pth files (this package's editable install) apply too.
-echo "import site; site.addsitedir('$main_site')" >"$te_site/main_venv.pth"
+layer_venv "$TE_VENV" "$MAIN_VENV" main_venv
+main_site=$BASE_SITE te_site=$VENV_SITE
 # No pip in .venv-te: .venv's pip runs there and installs into .venv-te.
 pip=("$TE_VENV/bin/python" -m pip install -q --no-deps)
 

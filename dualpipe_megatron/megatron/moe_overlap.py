@@ -145,7 +145,8 @@ def asking_for_plans(forward_step_func: Callable) -> Callable:
             raise RuntimeError(
                 f"the MoE F&B overlap asks the forward step for schedule plans, and it refuses ({exc}): "
                 f"pass --overlap-moe-expert-parallel-comm (Megatron allows it with --bf16 or --fp16), or "
-                f"--no-dualpipe-moe-overlap to run F then B") from exc
+                f"--no-dualpipe-moe-overlap to run F then B (Megatron-Bridge: cfg.model."
+                f"overlap_moe_expert_parallel_comm = True, or enable(..., moe_overlap=False))") from exc
     return forward_step
 
 
