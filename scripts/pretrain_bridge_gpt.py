@@ -12,6 +12,7 @@ lines. Environment:
   Megatron's schedule plans (in bf16, which Megatron asks for; default 1);
 - ``PP``: pipeline size (default 2; ``1`` with ``SAVE`` writes a start point);
 - ``ITERS``: training iterations (default 6);
+- ``EVAL``: evaluate on 2 validation batches every that many iterations (default 0: never);
 - ``TRACE``: record our schedule's executed ops there (``python -m dualpipe_megatron.trace``);
 - ``DUALPIPE_MOCK_DOCUMENTS``: keep that many documents of Megatron's mock corpus (faster start);
 - ``SAVE``: save a checkpoint there at the last iteration; ``LOAD``: start from that checkpoint's
@@ -33,6 +34,7 @@ SCHEDULE = os.environ.get("SCHEDULE", "1f1b")
 MOE = os.environ.get("MOE", "0") == "1"
 PP = int(os.environ.get("PP", "2"))
 ITERS = int(os.environ.get("ITERS", "6"))
+EVAL = int(os.environ.get("EVAL", "0"))
 SAVE, LOAD = os.environ.get("SAVE"), os.environ.get("LOAD")
 OVERLAP = MOE and os.environ.get("MOE_OVERLAP", "1") == "1"
 EP = 2 if MOE else 1
@@ -66,7 +68,7 @@ def _config():
     return ConfigContainer(
         model=model,
         train=TrainingConfig(train_iters=ITERS, global_batch_size=GLOBAL_BATCH, micro_batch_size=1),
-        validation=ValidationConfig(eval_interval=None, eval_iters=0),
+        validation=ValidationConfig(eval_interval=EVAL or None, eval_iters=2 if EVAL else 0),
         optimizer=OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, use_distributed_optimizer=False, bf16=OVERLAP,
                                   fp16=False, params_dtype=dtype, clip_grad=1.0),
         scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0, start_weight_decay=0.01,

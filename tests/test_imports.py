@@ -11,7 +11,8 @@ The sub-packages form layers, lowest first; a layer imports only from layers bel
 2. ``runtime``: the executor, p2p, strict mode;
 3. ``compat`` (DeepSeek's API) and ``trace``: clients of the runtime;
 4. ``megatron`` (the adapter, which records traces) and ``projection``;
-5. ``eplb``: hooks into the adapter's argument hooks and gradient path;
+5. ``eplb``: hooks into the adapter's argument hooks and gradient path; ``bridge``:
+   Megatron-Bridge's route, over the adapter;
 6. entry points, which may also import one another: ``routes`` (above ``megatron`` and
    ``eplb``), ``launch``, ``launch_plan``, ``launch_compare``, ``launch_memory``, ``demo``.
 """
@@ -32,7 +33,7 @@ LAYERS = [
     {"runtime"},
     {"compat", "trace"},
     {"megatron", "projection"},
-    {"eplb"},
+    {"eplb", "bridge"},
     {"routes", "launch", "launch_plan", "launch_compare", "launch_memory", "demo"},
 ]
 ENTRY_POINTS = LAYERS[-1]

@@ -2,7 +2,7 @@
 ``scripts/pretrain_bridge_gpt.py`` jobs, each started from one PP=1 checkpoint (Megatron seeds each
 pipeline rank differently), their logged lm losses compared.
 
-- dense GPT (fp32), P=2, and the MoE at EP=2 x P=2 run F then B (fp32, under dualpipev): to 1e-6
+- dense GPT (fp32), P=2, with Bridge's evaluation, and the MoE at EP=2 x P=2 run F then B (fp32, under dualpipev): to 1e-6
   relative (measured: equal in all 7 printed digits);
 - the MoE with the F&B overlap (bf16 weights, which Megatron's overlap asks for, gradients
   accumulated in fp32): to 1e-5 relative, room for bf16 rounding in the overlapped plans' order
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from launcher import REPO, free_port
-from pretrain_runs import losses
+from pretrain_runs import eval_losses, losses
 
 SCRIPT = REPO / "scripts" / "pretrain_bridge_gpt.py"
 ITERS = 6
@@ -56,7 +56,14 @@ def _check(out: Path, logs: dict[str, str], rel: float, world: int) -> None:
 
 
 def test_dense_gpt_equals_bridge_1f1b(tmp_path: Path) -> None:
-    _check(tmp_path, _runs(tmp_path, ["1f1b", "dualpipev", "dualpipe"]), rel=1e-6, world=2)
+    """With Bridge's evaluation every 3 iterations and on the validation and test sets at the end
+    (our schedules' forward-only steps)."""
+    logs = _runs(tmp_path, ["1f1b", "dualpipev", "dualpipe"], EVAL="3")
+    reference = eval_losses(logs["1f1b"])
+    assert len(reference) == 4, reference
+    for schedule in ("dualpipev", "dualpipe"):
+        assert eval_losses(logs[schedule]) == pytest.approx(reference, rel=1e-6), schedule
+    _check(tmp_path, logs, rel=1e-6, world=2)
 
 
 def test_moe_overlapped_equals_bridge_1f1b(tmp_path: Path) -> None:
