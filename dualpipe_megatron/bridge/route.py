@@ -29,7 +29,7 @@ from ..megatron import training_support
 from ..megatron.model import check_configuration, dualpipe_layout, prepare_model
 from ..megatron.predicates import active_stage_map
 from ..megatron.schedule import DualPipeOptions
-from ..megatron.support import SCHEDULES, schedule_problems
+from ..megatron.support import schedule_problems
 from ..patch_guard import PatchSet, around
 from .version import check_bridge_version
 
@@ -67,8 +67,6 @@ def enable(cfg: Any, schedule: str = "dualpipev", *, layout: str | None = None, 
 
 def _config_problems(model: Any, schedule: str) -> list[str]:
     """What in a Bridge model config our schedules cannot run (the flag route's checks, by field)."""
-    if schedule not in SCHEDULES:
-        return [f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}"]
     problems = [f"{schedule}: drop cfg.model.{name}, our schedule places the stages (pass layout= for "
                 f"uneven layers per stage)"
                 for name in ("pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size",
