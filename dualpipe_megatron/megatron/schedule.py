@@ -33,6 +33,7 @@ from ..runtime.plan import MessagePlan
 from ..runtime.shared_search import RankWorkers
 from ..schedules import Schedule, ScheduleError, build_schedule, simulate, validate
 from ..schedules.optimize import min_activations, optimize_order
+from ..schedules.order_file import order_for_job
 from ..schedules.simulate import Costs, StageCosts
 from ..trace.recorder import OpTracer
 from .grads import (
@@ -68,6 +69,9 @@ class DualPipeOptions:
     # live (d,s,m) stage activations on every rank (schedules/optimize.py), for optimize_for or,
     # when that is None, the uniform costs; None: no budget.
     max_activations: int | None = None
+    # --dualpipe-schedule-file: run the order in this schedule JSON (schedules/order_file.py),
+    # checked against the job's shape; None: DeepSeek's order or the optimized one above.
+    schedule_file: str | None = None
     # The job these options run (what the schedule keeps between steps, its step-end actions):
     # not configuration, the handle through which prepare_model and every step reach the same job.
     job: DualPipeJob = field(default_factory=DualPipeJob, init=False, repr=False, compare=False)
@@ -130,7 +134,7 @@ class StepPlan:
     overlap_layers: str  # what the overlap announcement names (moe_overlap.layers_to_announce)
 
 
-def _schedule(options: DualPipeOptions, group: dist.ProcessGroup, microbatches: int, forward_only: bool,
+def plan_for_step(options: DualPipeOptions, group: dist.ProcessGroup, microbatches: int, forward_only: bool,
               device: torch.device) -> tuple[Schedule, MessagePlan]:
     """This rank's plan, built once per program; the pipeline ranks prove they agree on it first."""
     ranks, rank = group.size(), group.rank()
@@ -165,16 +169,18 @@ def order_costs(options: DualPipeOptions) -> Costs | StageCosts | None:
 
 def training_order(options: DualPipeOptions, ranks: int, microbatches: int,
                    group: dist.ProcessGroup | None = None) -> Schedule:
-    """The op order a job with ``options`` runs: DeepSeek's, or the one optimized for
-    ``options.optimize_for`` (the uniform costs when only a budget is set) within
-    ``options.max_activations`` (said once on global rank 0). Public so that the launch plan
-    plans this very order. With the pipeline ``group`` (a collective) its ranks share the search
-    (runtime/shared_search.py): the same order, each rank running a part of it."""
+    """The op order a job with ``options`` runs: the one in ``options.schedule_file``, DeepSeek's,
+    or the one optimized for ``options.optimize_for`` (the uniform costs when only a budget is set)
+    within ``options.max_activations`` (said once on global rank 0). Public so that the launch
+    plan plans this very order. With the pipeline ``group`` (a collective) its ranks share the
+    search (runtime/shared_search.py): the same order, each rank running a part of it."""
     try:
         sched = build_schedule(options.schedule, ranks, microbatches)
     except ScheduleError as exc:
         raise ValueError(f"--pipeline-schedule {options.schedule}: {exc}") from None
     validate(sched)
+    if options.schedule_file is not None:
+        return file_order(options.schedule_file, sched)
     budget, costs = options.max_activations, order_costs(options)
     if costs is None:
         return sched
@@ -186,13 +192,31 @@ def training_order(options: DualPipeOptions, ranks: int, microbatches: int,
         optimized = optimize_order(sched, costs, max_activations=budget, workers=workers)
     except ScheduleError as exc:
         raise ValueError(f"--dualpipe-max-activations {budget}: {exc}") from None
-    if dist.is_initialized() and dist.get_rank() == 0:
-        before, after = simulate(sched, costs), simulate(optimized, costs)
-        print(f"DualPipe op order optimized ({options.schedule}, P={ranks}, M={microbatches}): simulated step "
-              f"{float(before.makespan):.4g} -> {float(after.makespan):.4g}, peak activations per rank "
-              f"{[r.peak_activations for r in before.per_rank]} -> {[r.peak_activations for r in after.per_rank]}, "
-              f"activation budget {'none' if budget is None else f'{budget} per rank'}", flush=True)
+    _say_order(f"DualPipe op order optimized ({options.schedule}, P={ranks}, M={microbatches})", sched,
+               optimized, costs, f"activation budget {'none' if budget is None else f'{budget} per rank'}")
     return optimized
+
+
+def file_order(path: str, deepseek: Schedule, announce: bool = True) -> Schedule:
+    """The order in schedule file ``path``, refused unless it runs ``deepseek``'s shape (said on
+    global rank 0 with ``announce``)."""
+    try:
+        sched = order_for_job(path, deepseek)
+    except ScheduleError as exc:
+        raise ValueError(f"--dualpipe-schedule-file {exc}") from None
+    if announce:
+        _say_order(f"DualPipe op order from {path} ({sched.name}, P={sched.ranks}, M={sched.microbatches})",
+                   deepseek, sched, Costs.of(), "uniform costs")
+    return sched
+
+
+def _say_order(what: str, deepseek: Schedule, ran: Schedule, costs: Costs | StageCosts, note: str) -> None:
+    """On global rank 0: the order's simulated step and per-rank activation peaks beside DeepSeek's."""
+    if dist.is_initialized() and dist.get_rank() == 0:
+        before, after = simulate(deepseek, costs), simulate(ran, costs)
+        print(f"{what}: simulated step {float(before.makespan):.4g} -> {float(after.makespan):.4g}, peak "
+              f"activations per rank {[r.peak_activations for r in before.per_rank]} -> "
+              f"{[r.peak_activations for r in after.per_rank]}, {note}", flush=True)
 
 
 def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: nn.Module | Sequence[nn.Module],
@@ -212,7 +236,7 @@ def plan_step(options: DualPipeOptions, *, forward_step_func: Callable, model: n
     group = pg_collection.pp
     rank = group.rank()
     device = next(chunks[0].parameters()).device
-    sched, plan = _schedule(options, group, num_microbatches, forward_only, device)
+    sched, plan = plan_for_step(options, group, num_microbatches, forward_only, device)
     stage_map = StageMap.of(sched)
     if len(chunks) != stage_map.chunks:
         raise ValueError(
@@ -373,6 +397,6 @@ def make_forward_backward_func(options: DualPipeOptions) -> Callable[..., list]:
 
 
 __all__ = [
-    "DualPipeJob", "DualPipeOptions", "StepPlan", "check_activation_budget", "finish_step",
-    "make_forward_backward_func", "order_costs", "plan_step", "run_step", "stage_map_for", "training_order",
+    "DualPipeJob", "DualPipeOptions", "StepPlan", "check_activation_budget", "file_order", "finish_step",
+    "make_forward_backward_func", "order_costs", "plan_for_step", "plan_step", "run_step", "stage_map_for", "training_order",
 ]

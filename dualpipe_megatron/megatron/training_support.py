@@ -1,7 +1,7 @@
 """``--pipeline-schedule`` for ``megatron.training``: the flag, its validation and the hooks.
 
-:func:`install` patches, once and guarded, exactly these thirteen call-time lookups
-(``tests/test_guard.py`` compares this list with the guard's record):
+:func:`install` patches, once and guarded, these call-time lookups (docs/training.md's
+"How it plugs into Megatron" lists them as the guard records them, generated and tested):
 
 - ``arguments.add_megatron_arguments``: adds the flag and our options (and those of features
   registered with :func:`register_arguments`: EPLB's ``--eplb-*``, checked after validation);
@@ -59,7 +59,7 @@ from .guard import check_version
 from .model import check_configuration, chunk_roles, dualpipe_layout, embedding_ranks, prepare_model
 from .predicates import install_predicates, set_job_stage_map
 from .job import DualPipeJob
-from .schedule import DualPipeOptions, check_activation_budget, make_forward_backward_func
+from .schedule import DualPipeOptions, check_activation_budget, file_order, make_forward_backward_func
 from .hybrid import layer_pattern, stage_segments
 from .support import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, job_layers, stage_map_for
 
@@ -167,6 +167,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Per-(direction, stage) costs for --dualpipe-optimize-order and --dualpipe-max-activations, "
              "as written by 'python -m dualpipe_megatron.trace costs' (docs/schedule_format.md).")
     group.add_argument(
+        "--dualpipe-schedule-file", default=None, metavar="FILE",
+        help="Run the op order in this schedule JSON, as 'dualpipe-schedules dump' writes it "
+             "(e.g. with --optimize --max-activations K), instead of DeepSeek's: it must be made for "
+             "this job's schedule, pipeline size and micro-batches per step, and every pipeline rank "
+             "must load the same order (docs/schedules.md). Excludes --dualpipe-optimize-order, "
+             "--dualpipe-max-activations and --dualpipe-stage-costs.")
+    group.add_argument(
         "--dualpipe-trace", default=None, metavar="DIR",
         help="Record every executed pipeline op (rank, op, direction, stage, micro-batch, start, "
              "end, p2p wait) into one file per process in DIR (use a fresh DIR per run); "
@@ -228,13 +235,15 @@ def post_validate(args: argparse.Namespace) -> None:
     args.overlap_p2p_comm = False
     args.align_param_gather = False
     _save_embedding_copies_plainly(args)
+    schedule_file = _schedule_file(args, pp)
     _state["options"] = DualPipeOptions(schedule=schedule, timeout=args.dualpipe_p2p_timeout,
                                         debug_p2p=args.dualpipe_debug_p2p,
                                         defer_weight_grads=not args.dualpipe_no_wgrad_split,
                                         moe_overlap=getattr(args, "dualpipe_moe_overlap", True),
                                         trace_dir=args.dualpipe_trace,
                                         optimize_for=_optimization_costs(args, pp),
-                                        max_activations=_activation_budget(args, pp))
+                                        max_activations=_activation_budget(args, pp),
+                                        schedule_file=schedule_file)
 
 
 def _optimization_costs(args: argparse.Namespace, pp: int) -> Costs | StageCosts | None:
@@ -266,6 +275,24 @@ def _activation_budget(args: argparse.Namespace, pp: int) -> int | None:
     if budget is not None and microbatches is not None:
         check_activation_budget(build_schedule(args.pipeline_schedule, pp, microbatches), budget)
     return budget
+
+
+def _schedule_file(args: argparse.Namespace, pp: int) -> str | None:
+    """``--dualpipe-schedule-file``, alone among the order flags, and checked against the job
+    here when the micro-batch count is known (else at the first step, by the same check)."""
+    path = getattr(args, "dualpipe_schedule_file", None)
+    if path is None:
+        return None
+    searching = [flag for flag, value in (("--dualpipe-optimize-order", args.dualpipe_optimize_order),
+                                          ("--dualpipe-max-activations", args.dualpipe_max_activations),
+                                          ("--dualpipe-stage-costs", args.dualpipe_stage_costs)) if value]
+    if searching:
+        raise ValueError(f"--dualpipe-schedule-file runs the order in its file; drop {', '.join(searching)} "
+                         "(optimize offline: dualpipe-schedules dump --optimize)")
+    microbatches = _microbatches(args)
+    if microbatches is not None:
+        file_order(path, build_schedule(args.pipeline_schedule, pp, microbatches), announce=False)
+    return path
 
 
 def _save_embedding_copies_plainly(args: argparse.Namespace) -> None:

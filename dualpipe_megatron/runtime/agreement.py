@@ -62,7 +62,7 @@ def check_plan_agreement(sched: Schedule, forward_only: bool, group: dist.Proces
         f"pipeline ranks built different plans: ranks {odd} differ from rank 0 ({sched.name}, "
         f"M={sched.microbatches}); first difference, rank 0 vs rank {odd[0]}: "
         f"{_first_difference(scheds[0], scheds[odd[0]])}. Every rank must build the same order: "
-        f"same flags and the same --dualpipe-stage-costs file on every rank"
+        f"same flags and the same --dualpipe-stage-costs or --dualpipe-schedule-file file on every rank"
     )
 
 
