@@ -1,6 +1,6 @@
 """How close to DeepSeek's step can any DualPipeV order get under an activation budget K?
 
-``bench/schedule_budget.py`` compares DeepSeek's order with what the heuristic optimizer
+``research/schedule_budget.py`` compares DeepSeek's order with what the heuristic optimizer
 (:func:`~dualpipe_megatron.schedules.optimize.optimize_order`) finds within K live (d,s,m) per
 rank; this script asks CP-SAT about every order of the same placement, warm-up and cool-down
 included, to find a shorter one or a lower bound on the makespan that the heuristic's gap can be
@@ -41,14 +41,16 @@ proves nothing. ``--start FILE`` starts from a saved order (``--save``) instead.
 CP-SAT starts from the optimizer's order under K (a hint, and its makespan as the horizon, so
 what is found is never worse, and INFEASIBLE means no such order is shorter). A solution is turned into op lists (pairs as
 ``FB(F, B(w=False))``, each rank's ops by start) and checked with the project's ``validate``,
-``simulate`` (no longer than CP-SAT's makespan) and ``peak_live_activations`` (<= K). Needs
-``pip install ortools`` (not in requirements.txt). Example (the "uniform F1 B2 W0.5 FB2.4" set
-of ``bench/schedule_budget.py``; with one worker CP-SAT's default search barely moves from the
-start, ``interleave_search`` runs its portfolio, LNS included, in that one thread):
+``simulate`` (no longer than CP-SAT's makespan) and ``peak_live_activations`` (<= K).
 
-    python bench/finite_budget.py -P 4 -M 16 -K 7 --seconds 150 --params interleave_search=True
-    python bench/finite_budget.py -P 16 -M 64 -K 25 --free-last 100 --seconds 120 --params interleave_search=True
-    python bench/finite_budget.py -P 8 -M 32 -K 13 --sweep 40 --seconds 40 --rounds 4 --params interleave_search=True --save a.json
+Needs ``pip install ortools`` (not in requirements.txt; without it the script stops at once
+saying so). Examples (the "uniform F1 B2 W0.5 FB2.4" set of ``research/schedule_budget.py``;
+with one worker CP-SAT's default search barely moves from the start, ``interleave_search`` runs
+its portfolio, LNS included, in that one thread):
+
+    python research/finite_budget.py -P 4 -M 16 -K 7 --seconds 150 --params interleave_search=True
+    python research/finite_budget.py -P 16 -M 64 -K 25 --free-last 100 --seconds 120 --params interleave_search=True
+    python research/finite_budget.py -P 8 -M 32 -K 13 --sweep 40 --seconds 40 --rounds 4 --params interleave_search=True --save a.json
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ from dualpipe_megatron.schedules import B, F, FB, Key, Schedule, W, build_schedu
 from dualpipe_megatron.schedules.events import peak_live_activations  # noqa: E402
 from dualpipe_megatron.schedules.ir import halves  # noqa: E402
 from dualpipe_megatron.schedules.simulate import Costs, StageCosts  # noqa: E402
+
+try:
+    from ortools.sat.python import cp_model
+except ImportError:  # optional: not in requirements.txt, only the CP-SAT scripts need it
+    sys.exit("research/finite_budget.py needs OR-Tools' CP-SAT: pip install ortools")
 
 
 def project_costs(sched: Schedule, tenths: dict[str, int]) -> StageCosts:
@@ -122,8 +129,6 @@ def solve(P: int, M: int, K: int, tenths: dict[str, int], seconds: float, worker
 
     def free(key: tuple[str, int, int]) -> bool:
         return not (pinned(key) or kept(key))
-
-    from ortools.sat.python import cp_model  # optional: only this script needs it
 
     S = 2 * P
     rank_of = {s: (s if s < P else S - 1 - s) for s in range(S)}

@@ -12,21 +12,28 @@ period in turn, whether such an order exists with every rank's lifetimes <= K x 
 
 It is a model of the steady state only (no warm-up or cool-down), with one micro-batch per
 period; it is evidence, not a bound on every order. It reproduces DeepSeek's 2P+1 live units at
-the fully paired period. Needs ``pip install ortools`` (not in requirements.txt). Example (the
-F&B = 0.8 (F+B) cost set of ``bench/schedule_budget.py``, in tenths):
+the fully paired period.
 
-    python bench/periodic_budget.py -P 4 -K 7 --periods 48:60
+Needs ``pip install ortools`` (not in requirements.txt; without it the script stops at once
+saying so). Example (the F&B = 0.8 (F+B) cost set of ``research/schedule_budget.py``, in
+tenths):
+
+    python research/periodic_budget.py -P 4 -K 7 --periods 48:60
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+try:
+    from ortools.sat.python import cp_model
+except ImportError:  # optional: not in requirements.txt, only the CP-SAT scripts need it
+    sys.exit("research/periodic_budget.py needs OR-Tools' CP-SAT: pip install ortools")
 
 
 def solve(ranks: int, period: int, budget: int, costs: dict[str, int], seconds: float) -> tuple[str, int]:
     """CP-SAT on the periodic model: (status, pairs per period in the order found, or -1)."""
-    from ortools.sat.python import cp_model  # optional: only this script needs it
-
     model = cp_model.CpModel()
     horizon = 4 * ranks * costs["fb"] + 10 * period
     halves = ("a", "b")  # rank r holds stage r (its first half of the V) and 2P-1-r

@@ -1,9 +1,9 @@
 """How short a period can a repeating DualPipeV order have within an activation budget (issue 26)?
 An exact answer over one family of orders, with no solver.
 
-Run ``.venv/bin/python bench/periodic_family.py [--ranks 4,8,16] [--periods 4.8,5.8] [--step 0.1]``;
+Run ``.venv/bin/python research/periodic_family.py [--ranks 4,8,16] [--periods 4.8,5.8] [--step 0.1]``;
 not part of ``make test``. Costs: the "uniform F1 B2 W0.5 FB2.4" set of
-``bench/schedule_budget.py`` (F 1, B(w=false) 1.5, W 0.5, an F&B pair with a split backward 1.9).
+``research/schedule_budget.py`` (F 1, B(w=false) 1.5, W 0.5, an F&B pair with a split backward 1.9).
 
 The family: every rank runs one micro-batch's ops per period T in a fixed cyclic order: the F,
 B(w=false) and W of each of its two stages (r and 2P - 1 - r), none, one or two of its F's each

@@ -1,7 +1,7 @@
 """The activation budget's figures (issue 26): the optimizer against DeepSeek's order, with and
 without K = ceil(3/4 x DeepSeek's peak), on the issue's grid, in the project's simulator.
 
-Run ``.venv/bin/python bench/schedule_budget.py [--ranks 4,8,16] [--search-work N]``; not part of
+Run ``.venv/bin/python research/schedule_budget.py [--ranks 4,8,16] [--search-work N]``; not part of
 ``make test``.
 Per case: DeepSeek's step and peak (the largest per-rank peak of live (d,s,m)), the optimized
 order's step and gain without a budget, and its step, peak and overhead over DeepSeek's

@@ -1,7 +1,7 @@
 """The op-order search on the training path: every pipeline rank running all of it, against the
 ranks sharing it (runtime/shared_search.py), in real processes on this machine.
 
-Run ``.venv/bin/python bench/shared_search.py [-P 16] [-M 128] [--budgets 25,none] [--costs paired]``;
+Run ``.venv/bin/python research/shared_search.py [-P 16] [-M 128] [--budgets 25,none] [--costs paired]``;
 not part of ``make test``. ``--costs``: ``uniform`` (F 1, B 2, W 1, F&B 3: no pair saves time,
 the training path's default) or ``paired`` (W 0.5, F&B 2.4 = 0.8 (F+B), where the budgeted
 search also tries per-rank pairing policies). It starts P gloo processes; for each budget each
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -30,7 +31,6 @@ from dualpipe_megatron.runtime.shared_search import RankWorkers
 from dualpipe_megatron.schedules import Costs, build_schedule
 from dualpipe_megatron.schedules.cli import markdown_table
 from dualpipe_megatron.schedules.optimize import optimize_order
-from ports import free_port  # bench/ modules: this script's directory is on sys.path
 
 
 class _RoundTimedWorkers(RankWorkers):
@@ -67,9 +67,8 @@ def _timed(sched, costs: Costs, budget: Optional[int], workers: Optional[RankWor
     return time.perf_counter() - start, time.process_time() - cpu, out.ops
 
 
-def _rank(rank: int, ranks: int, port: int, microbatches: int, costs: Costs, budgets: list, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+def _rank(rank: int, ranks: int, rendezvous: str, microbatches: int, costs: Costs, budgets: list, results) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=ranks)
     sched = build_schedule("dualpipev", ranks, microbatches)
     for budget in budgets:
         alone, _, ops_alone = _timed(sched, costs, budget, None)
@@ -100,14 +99,15 @@ def main() -> None:
         one[budget] = time.perf_counter() - start
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.microbatches, costs, budgets, results))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=1800) for _ in range(args.ranks * len(budgets))]
-    for p in procs:
-        p.join()
+    with tempfile.TemporaryDirectory() as scratch:  # a file rendezvous: no port to find
+        rendezvous = f"file://{os.path.join(scratch, 'rendezvous')}"
+        procs = [ctx.Process(target=_rank, args=(r, args.ranks, rendezvous, args.microbatches, costs, budgets, results))
+                 for r in range(args.ranks)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=1800) for _ in range(args.ranks * len(budgets))]
+        for p in procs:
+            p.join()
     rows = []
     for budget in budgets:
         mine = [g for g in got if g[0] == budget]

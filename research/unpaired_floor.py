@@ -2,7 +2,7 @@
 order can be that runs no F&B pair on the V's tip, and so how many pairs there an order needs
 to reach a given step.
 
-Run ``.venv/bin/python bench/unpaired_floor.py [--ranks 4,8,16]``; not part of ``make test``.
+Run ``.venv/bin/python research/unpaired_floor.py [--ranks 4,8,16]``; not part of ``make test``.
 
 The tip is rank P - 1: it holds stages P - 1 and P. Under a cap K on its live activations:
 
@@ -38,7 +38,7 @@ from dualpipe_megatron.schedules.cli import markdown_table, positive_ints
 from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.simulate import StageCosts
 
-from schedule_budget import COST_SETS, costs_for, top  # bench/ modules: this script's directory is on sys.path
+from schedule_budget import COST_SETS, costs_for, top  # research/ modules: this script's directory is on sys.path
 
 
 def tip_floor(sched: Schedule, costs: Union[Costs, StageCosts], cap: int) -> tuple[Fraction, Fraction]:

@@ -1,18 +1,15 @@
-"""bench/periodic_family.py: the dynamic program over neighbour links finds the least rank-0
+"""research/periodic_family.py: the dynamic program over neighbour links finds the least rank-0
 lifetimes of its family, as a brute force over every pair of cycles and phase offset at P = 2
 finds them op by op (:func:`walk`), and at DeepSeek's period it lands on DeepSeek's peak."""
 
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
+from periodic_family import Durations, Found, cycles, least_rank0_lifetimes, walk  # research/: conftest.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from periodic_family import Durations, Found, cycles, least_rank0_lifetimes, walk  # noqa: E402
+pytestmark = pytest.mark.unit
 
 TENTHS = Durations(f=10, b=15, w=5, pair=19)  # F 1, B(w=false) 1.5, W 0.5, F&B pair 1.9
 

@@ -1,27 +1,24 @@
-"""bench/unpaired_floor.py: the floor under DualPipeV orders with no F&B pair on the V's tip.
+"""research/unpaired_floor.py: the floor under DualPipeV orders with no F&B pair on the V's tip.
 
-The figures are the hand-derived ones of docs/schedules.md, and the floor (less what the
+The figures are the hand-derived ones of research/README.md, and the floor (less what the
 order's pairs on the tip save) holds for every order tried: DeepSeek's, one micro-batch at a
 time, and every list schedule the optimizer builds under the budget."""
 
 from __future__ import annotations
 
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
+from schedule_budget import COST_SETS, costs_for  # research/: conftest.py
+from unpaired_floor import tip_floor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from dualpipe_megatron.schedules import FB, Costs, ScheduleError, build_schedule, simulate
+from dualpipe_megatron.schedules.events import peak_live_activations
+from dualpipe_megatron.schedules.list_scheduler import BUDGET_RULES, RULES, list_schedule
+from dualpipe_megatron.schedules.optimize import _named, _sequential
+from dualpipe_megatron.schedules.order_model import OrderModel
 
-from schedule_budget import COST_SETS, costs_for  # noqa: E402
-from unpaired_floor import tip_floor  # noqa: E402
-
-from dualpipe_megatron.schedules import FB, Costs, ScheduleError, build_schedule, simulate  # noqa: E402
-from dualpipe_megatron.schedules.events import peak_live_activations  # noqa: E402
-from dualpipe_megatron.schedules.list_scheduler import BUDGET_RULES, RULES, list_schedule  # noqa: E402
-from dualpipe_megatron.schedules.optimize import _named, _sequential  # noqa: E402
-from dualpipe_megatron.schedules.order_model import OrderModel  # noqa: E402
+pytestmark = pytest.mark.unit
 
 
 def test_the_hand_derived_floors() -> None:
