@@ -4,8 +4,8 @@
 # A TEMPLATE with DeepSeek-V3's settings (61 layers, MLA, 256 routed experts top-8 plus a
 # shared expert, FP8 blockwise, PP=16 dualpipev x EP=64 on 256 nodes of 8 GPUs). It has not been
 # run here: this project is verified on CPU only, and the DualPipe runtime on NCCL, Transformer
-# Engine, FP8 and the flex/DeepEP dispatcher are untested with our schedule (see the README's
-# status matrix). Start from a small proxy and check losses against 1F1B first.
+# Engine, FP8 and the flex/DeepEP dispatcher are untested with our schedule (see docs/compatibility.md's
+# status by feature). Start from a small proxy and check losses against 1F1B first.
 #
 # Every setting is an environment variable; extra arguments go to pretrain_gpt.py last (and win):
 #   NNODES=1 PP=2 EP=4 NUM_LAYERS=16 LAYOUT= HIDDEN=2048 FFN_HIDDEN=8192 HEADS=16 NUM_EXPERTS=64 \
