@@ -4,8 +4,8 @@ It composes the Megatron adapter's route (the schedule plugin where megatron car
 extension point of patches/, else :func:`training_support.install`'s runtime patches) with
 EPLB's flag registration. It sits above both sub-packages because EPLB registers its flags
 through the adapter's argument hooks: the adapter cannot import EPLB's entry point back without
-an import cycle. docs/training.md ("What each route patches") lists what each route installs,
-as the guard records it (``patch_guard.installed()``).
+an import cycle. docs/training.md ("How it plugs into Megatron") lists what each route installs,
+as the guard records it (``patch_guard.installed()``; scripts/route_patches.py writes the tables).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ import activation_estimate as bench  # noqa: E402
 from dualpipe_megatron.projection import activations  # noqa: E402
 from dualpipe_megatron.schedules.model_shape import ModelShape  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 TOLERANCE = 0.10
 SHAPE = ModelShape(num_layers=8, hidden=64, seq=64, vocab=256, ffn=160, heads=4, gated=True, micro_batch=2)
 

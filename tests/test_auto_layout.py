@@ -21,6 +21,8 @@ from dualpipe_megatron.schedules.model_shape import ModelShape, cost_of, total
 from dualpipe_megatron.schedules.registry import build_schedule
 from dualpipe_megatron.schedules.simulate import StageCost, simulate
 
+pytestmark = pytest.mark.unit
+
 # bench/bench_megatron.py's dense-p2 model (8 layers, hidden 256, 4 heads, seq 128, micro-batch 2, vocab 1024).
 DENSE = ModelShape(num_layers=8, hidden=256, heads=4, seq=128, micro_batch=2, vocab=1024)
 BIG_VOCAB = replace(DENSE, vocab=32000)  # the output layer and loss cost about ten layers

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -18,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from activation_meter import ActivationMeter  # noqa: E402
 
 from dualpipe_megatron.runtime.wgrad import DeferrableLinear, WeightGradStore, deferring  # noqa: E402
+
+pytestmark = pytest.mark.unit
 
 ROWS, WIDTH = 8, 16
 BYTES = ROWS * WIDTH * 4  # one float32 activation

@@ -20,6 +20,8 @@ from op_bytes import OpBytes, StageBytes, per_op, stage_bytes, weighted_peak  # 
 from dualpipe_megatron.schedules.ir import B, F, Key, W  # noqa: E402
 from dualpipe_megatron.trace.records import OpRecord  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 K0, K1 = Key(0, 0, 0), Key(0, 0, 1)
 OPS = [F(K0), B(K0, w=False), F(K1), W(K0), B(K1)]
 SPANS = [(10, 20), (30, 40), (50, 60), (70, 80), (90, 100)]

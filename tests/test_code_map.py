@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "dualpipe_megatron"
 MAP_HEADING = "## Where the code is"

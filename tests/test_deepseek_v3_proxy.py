@@ -35,6 +35,8 @@ import pytest
 from launcher import LaunchFailed
 from pretrain_runs import REPO, grad_norms, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 FLAGS_FILE = REPO / "scripts" / "deepseek_v3_proxy.flags"
 SCRIPT = REPO / "scripts" / "pretrain_deepseek_v3_proxy.sh"
 MLA_FLAGS = ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",

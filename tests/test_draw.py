@@ -11,6 +11,8 @@ from dualpipe_megatron.schedules.ir import ScheduleError
 from dualpipe_megatron.schedules.registry import build_schedule
 from dualpipe_megatron.schedules.simulate import Costs, simulate
 
+pytestmark = pytest.mark.unit
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

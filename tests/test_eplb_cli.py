@@ -15,6 +15,8 @@ from dualpipe_megatron.eplb import imbalance, rebalance_experts
 from dualpipe_megatron.eplb.cli import main
 from dualpipe_megatron.eplb.stats import LoadStats
 
+pytestmark = pytest.mark.multiprocess
+
 # Two iterations of 2 MoE layers (global numbers 3 and 7) x 8 experts; averages:
 # layer 3: [90, 10, 10, 10, 40, 10, 30, 20] (220 tokens), layer 7: [5]*7 + [125] (160 tokens).
 HISTORY = [[[100, 10, 10, 10, 50, 10, 30, 20], [5] * 7 + [125]],

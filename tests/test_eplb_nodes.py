@@ -13,6 +13,8 @@ from dualpipe_megatron.eplb.nodes import NodeLayout, choose_policy, node_pattern
 from dualpipe_megatron.eplb.placement import align
 from dualpipe_megatron.eplb.redundancy import initial_slots
 
+pytestmark = pytest.mark.unit
+
 NodeForm = list[tuple[tuple[int, ...], ...]]
 
 

@@ -14,6 +14,8 @@ from dualpipe_megatron.eplb.experts import MoELayerHandle, install_router_hook, 
 from dualpipe_megatron.eplb.placement import align, as_plan, check_permutation, identity, sources
 from dualpipe_megatron.eplb.stats import LoadStats, read_stats_file
 
+pytestmark = pytest.mark.unit
+
 
 def _per_rank_sets(phy2log: torch.Tensor, ep_size: int) -> list[set[int]]:
     k = phy2log.numel() // ep_size

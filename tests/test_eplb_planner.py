@@ -11,6 +11,8 @@ import torch
 
 from dualpipe_megatron.eplb import adopt, gpu_loads, imbalance, rebalance_experts
 
+pytestmark = pytest.mark.unit
+
 VECTORS = json.loads((Path(__file__).parent / "data" / "eplb_vectors.json").read_text())
 
 # (layers, logical experts, replicas, groups, nodes, gpus); groups % nodes != 0 -> global policy.

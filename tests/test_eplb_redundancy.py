@@ -11,6 +11,8 @@ from dualpipe_megatron.eplb.planner import rebalance_experts
 from dualpipe_megatron.eplb.redundancy import (choose_owners, copy_table, initial_slots, replica_transfers,
                                                route_to_copies)
 
+pytestmark = pytest.mark.unit
+
 
 def test_initial_slots_own_then_replicate_the_neighbour() -> None:
     assert initial_slots(8, 2, 2).tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 7, 0]

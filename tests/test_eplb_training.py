@@ -54,6 +54,8 @@ from dualpipe_megatron.eplb.nodes import NodeLayout
 from dualpipe_megatron.eplb.redundancy import initial_slots
 from dualpipe_megatron.eplb.stats import read_stats_file
 
+pytestmark = pytest.mark.multiprocess
+
 MOE = ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2 "
        "--disable-bias-linear --position-embedding-type rope").split()
 EP2_P2 = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
-import re
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -16,11 +13,17 @@ import torch
 from torch import nn
 
 from dualpipe_megatron import patch_guard
-from dualpipe_megatron.megatron import cpu_compat, guard, predicates, training_support, wgrad_megatron, wgrad_te
+from dualpipe_megatron.megatron import cpu_compat, guard, training_support, wgrad_megatron, wgrad_te
 from dualpipe_megatron.patch_guard import PatchSet
 from dualpipe_megatron.megatron.model import (
     MIRROR_REPLICAS, save_mirror_copies_as_replicas, uninstall_mirror_replicas,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import route_patches  # noqa: E402 - found through the path above
+
+pytestmark = pytest.mark.multiprocess
 
 
 class _Target:
@@ -242,16 +245,6 @@ def test_installs_are_idempotent(subsystems: None) -> None:
     assert _state()["delayed"] is before
 
 
-def test_training_support_docstring_lists_exactly_what_install_patches(subsystems: None) -> None:
-    listed = training_support.__doc__.split("exactly these thirteen")[1].split("Building the model")[0]
-    documented = {name for pair in re.findall(r"^- ``([\w.]+)``(?: and ``([\w.]+)``)?", listed, re.M)
-                  for name in pair if name}
-    recorded = training_support.PATCHES.labels() + predicates.PATCHES.labels()
-    assert len(recorded) == len(documented) == 13, (recorded, documented)
-    for name in documented:
-        assert [label for label in recorded if label.endswith("." + name)] != [], f"{name} is not patched"
-
-
 class _Chunk(nn.Module):
     """Stands in for a model chunk: Megatron's ``sharded_state_dict`` signature."""
 
@@ -274,95 +267,21 @@ def test_mirror_replicas_patch_once_and_restore() -> None:
 
 
 TRAINING_MD = Path(__file__).resolve().parent.parent / "docs" / "training.md"
-ROUTES_SECTION = "### What each route patches"
-# Run by the launcher in a fresh interpreter: the guard's record per route, and of the sets a job adds.
-ROUTE_RECORDS = """
-import json, types
-from dualpipe_megatron import patch_guard, routes
-from dualpipe_megatron.eplb import training as eplb_training
-from dualpipe_megatron.megatron import cpu_compat, mtp, training_support, wgrad_megatron, wgrad_te
-from dualpipe_megatron.runtime.comm_log import CommLog
-from dualpipe_megatron.runtime.strict import StepRecorder
-
-record = {"launcher": patch_guard.installed()}
-routes.uninstall_for_megatron()
-cpu_compat.uninstall_cpu_compat()
-record["uninstalled"] = patch_guard.installed()
-training_support.install()
-record["runtime patches"] = patch_guard.installed()
-routes.uninstall_for_megatron()
-record["install_for_megatron route"] = routes.install_for_megatron()
-record["install_for_megatron"] = patch_guard.installed()
-wgrad_megatron.install_linear_deferral()
-wgrad_te.install_delayed_wgrad_deferral()
-with mtp.recording_mtp_metrics(types.SimpleNamespace(mtp_num_layers=1), lambda: 0):
-    pass
-eplb_training.install_patches()
-recorder = StepRecorder(CommLog(0, [0]))
-recorder.start()
-record["job"] = patch_guard.installed()
-recorder.stop()
-routes.uninstall_for_megatron()
-record["job uninstalled"] = patch_guard.installed()
-print("ROUTE_RECORDS " + json.dumps(record))
-"""
 
 
-def _table(section: str, header: str) -> dict[str, list[str]]:
-    """The table of ``section`` whose header row starts with ``header``: each row's first-cell
-    key (bold or code) -> the row's other cells."""
-    lines = section.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header} |"))
-    rows = {}
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        first, *cells = [c.strip() for c in line.strip("|").split(" | ")]
-        rows[re.match(r"(?:\*\*|`)([^*`]+)", first).group(1)] = cells
-    return rows
+def test_the_docs_tables_are_the_guards_record(route_records: dict) -> None:
+    """docs/training.md's "How it plugs into Megatron" holds the tables of a fresh record, verbatim
+    (regenerate: python -m dualpipe_megatron.launch scripts/route_patches.py --write docs/training.md)."""
+    assert route_patches.block(route_records) in TRAINING_MD.read_text()
 
 
-def documented_patches() -> tuple[dict[str, list[str]], dict[str, tuple[list[str], list[str]]]]:
-    """From docs/training.md: {patch set: symbols} and {route: (sets it installs, sets a job adds)}."""
-    section = TRAINING_MD.read_text().split(ROUTES_SECTION)[1].split("\n## ")[0]
-    sets = {name: re.findall(r"`((?:megatron|torch)\.[\w.]+)`", cells[1])
-            for name, cells in _table(section, "patch set").items()}
-    spans = lambda cell: [s for s in re.findall(r"`([^`]+)`", cell) if s in sets]  # noqa: E731
-    routes_ = {name: (spans(cells[0]), spans(cells[1])) for name, cells in _table(section, "route").items()}
-    return sets, routes_
-
-
-@pytest.fixture(scope="module")
-def route_records(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    script = tmp_path_factory.mktemp("routes") / "record_routes.py"
-    script.write_text(ROUTE_RECORDS)
-    root = str(Path(__file__).resolve().parent.parent)
-    run = subprocess.run([sys.executable, "-m", "dualpipe_megatron.launch", str(script)], cwd=root,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.split("ROUTE_RECORDS ", 1)[1])
-
-
-def test_the_docs_list_each_patch_sets_symbols_as_the_guard_records_them(route_records: dict) -> None:
-    sets, _ = documented_patches()
-    assert [name for name, symbols in sets.items() if not symbols] == ["mirror replicas", "CPU compat"]
-    recorded = {**route_records["runtime patches"], **route_records["job"]}
-    assert sorted(recorded) == sorted(set(sets) - {"mirror replicas", "CPU compat"})
-    for name, labels in recorded.items():
-        assert labels == sets[name], name
-
-
-def test_each_route_installs_what_the_docs_list(route_records: dict) -> None:
-    _, documented = documented_patches()
-    assert list(documented) == ["runtime patches", "plugin", "install_for_megatron", "launcher"]
+def test_each_route_installs_the_same_sets_and_a_job_adds_the_rest(route_records: dict) -> None:
     assert route_records["install_for_megatron route"] == "runtime-patches"  # no extension point here
-    for route in ("runtime patches", "install_for_megatron", "launcher"):
-        assert sorted(route_records[route]) == sorted(documented[route][0]), route
-    assert "CPU compat" in route_records["launcher"]
-    assert documented["plugin"][0] == []  # test_upstream_patch checks the plugin's record after a run
-    job = set(route_records["job"]) - set(route_records["install_for_megatron"])
-    assert job == set(documented["runtime patches"][1]) - {"mirror replicas"}, job  # no model here
-    assert set(documented["plugin"][1]) == {"stage predicates", *documented["runtime patches"][1]}
+    runtime = list(route_records["runtime patches"])
+    added = [name for name in route_records["job"] if name not in runtime]
+    assert (runtime, list(route_records["install_for_megatron"]), list(route_records["launcher"]), added) == (
+        ["stage predicates", "training flag support"], runtime, ["CPU compat", *runtime],
+        ["linear weight-grad deferral", "delayed-wgrad deferral", "MTP metrics", "EPLB", "strict mode"])
 
 
 def test_uninstalling_the_routes_leaves_no_patch(route_records: dict) -> None:

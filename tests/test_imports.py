@@ -24,7 +24,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import dualpipe_megatron
+
+pytestmark = pytest.mark.multiprocess
 
 PACKAGE = Path(dualpipe_megatron.__file__).parent
 SKIP = {"dualpipe_megatron.__main__"}

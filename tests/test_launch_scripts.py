@@ -22,6 +22,8 @@ from unittest import mock
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_SH = REPO / "scripts" / "launch_torchrun.sh"
 SLURM = REPO / "scripts" / "launch_slurm.sbatch"

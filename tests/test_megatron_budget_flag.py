@@ -20,6 +20,8 @@ from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.optimize import optimize_order
 from dualpipe_megatron.schedules.simulate import Costs, StageCosts
 
+pytestmark = pytest.mark.slow
+
 
 def _args(**kw: object) -> SimpleNamespace:
     """The parsed flags post_validate reads for the order (DualPipeV, P=2, M=8 unless changed)."""

@@ -14,6 +14,8 @@ from dualpipe_megatron.megatron.cpu_compat import GROUPS
 
 from launcher import assert_verdict, run_script
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = Path(__file__).with_name("megatron_workers.py")
 WORLD_SIZE = 2
 TIMEOUT_S = 240

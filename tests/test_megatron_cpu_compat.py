@@ -14,6 +14,8 @@ from dualpipe_megatron import patch_guard
 from dualpipe_megatron.megatron import cpu_compat, guard
 from dualpipe_megatron.megatron.cpu_compat import DISABLE_ENV, GROUPS, install_cpu_compat
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def restore(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:

@@ -28,6 +28,8 @@ import torch
 from launcher import LaunchFailed
 from pretrain_runs import TRAIN, eval_losses, init_checkpoint, logged, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 SCHEDULES = ("1f1b", "dualpipev", "dualpipe")
 VOCAB = 64  # pretrain_runs.MODEL's --vocab-size
 RTOL = 1e-5

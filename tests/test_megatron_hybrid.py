@@ -40,6 +40,8 @@ from dualpipe_megatron.megatron.support import argument_problems
 from dualpipe_megatron.schedules import ScheduleError
 from dualpipe_megatron.trace import analyze, load
 
+pytestmark = pytest.mark.multiprocess
+
 SPEC = ["--spec", "dualpipe_megatron.megatron.local_specs", "hybrid_stack_spec"]
 P2 = ["--pipeline-model-parallel-size", "2"]
 # q/k layernorm on standard attention: the local spec names torch's norm per layer (LocalAttentionLayer).

@@ -7,6 +7,8 @@ import pytest
 from dualpipe_megatron.megatron.job import DualPipeJob
 from dualpipe_megatron.megatron.schedule import DualPipeOptions
 
+pytestmark = pytest.mark.unit
+
 
 def test_step_end_actions_run_in_order_and_removal_takes_exactly_one() -> None:
     job, calls = DualPipeJob(), []

@@ -13,6 +13,8 @@ from dualpipe_megatron.megatron.model import chunk_roles, check_configuration, d
 from dualpipe_megatron.megatron.predicates import running_chunk, stage_map_active
 from dualpipe_megatron.megatron.support import UNBUILT, chunk_role_problems, stage_map_for, step_problems
 
+pytestmark = pytest.mark.unit
+
 
 def test_dualpipev_roles_put_embedding_and_loss_on_rank_0() -> None:
     stage_map = stage_map_for("dualpipev", 4)

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from launcher import LaunchFailed
 from pretrain_runs import CPU, MODEL, TRAIN, grad_norms, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 MLA = ("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
        "--qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm").split()
 # Vocabulary padding to 64 at TP=1 and TP=2 alike: the padded rows enter the loss.

@@ -16,6 +16,8 @@ import torch
 
 from launcher import assert_verdict, run_script
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = Path(__file__).with_name("moe_overlap_workers.py")
 TIMEOUT_S = 900
 

@@ -32,6 +32,8 @@ import pytest
 from launcher import LaunchFailed
 from pretrain_runs import TRAIN, grad_norms, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 MOE = ("--num-experts 4 --moe-layer-freq ([0]*1+[1]*7) --moe-router-topk 2 "
        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2 --disable-bias-linear "
        "--expert-model-parallel-size 2 "

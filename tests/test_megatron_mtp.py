@@ -28,6 +28,8 @@ import pytest
 from launcher import LaunchFailed
 from pretrain_runs import TRAIN, grad_norms, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 # DeepSeek-V3 unties them; Megatron 0.19 cannot checkpoint a tied output layer next to MTP at PP > 1.
 ROPE = ["--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")

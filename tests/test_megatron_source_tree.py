@@ -30,6 +30,8 @@ import pytest
 from launcher import REPO, LaunchFailed, job_env, torchrun
 from pretrain_runs import CPU, DATA, MODEL, TRAIN, init_checkpoint, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 RTOL = 1e-5
 ITERS = ["--train-iters", "5"]
 P2 = ["--pipeline-model-parallel-size", "2"]

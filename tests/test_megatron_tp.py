@@ -23,6 +23,8 @@ import pytest
 from launcher import LaunchFailed
 from pretrain_runs import TRAIN, grad_norms, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 TP2 = ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"]
 SP = ["--sequence-parallel"]
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2 "

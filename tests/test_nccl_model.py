@@ -9,6 +9,8 @@ import pytest
 
 from dualpipe_megatron.runtime.nccl_model import check, load_programs
 
+pytestmark = pytest.mark.unit
+
 
 def send(i: int, peer: int, group: str = "pp", what: str = "") -> dict:
     return {"post": "send", "group": group, "peer": peer, "id": i, "what": what or f"send {i}"}

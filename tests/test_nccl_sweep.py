@@ -17,6 +17,8 @@ from dualpipe_megatron.runtime.dry_run import Case, check_case, record, sweep_ca
 from dualpipe_megatron.runtime.plan import Item, MessagePlan
 from dualpipe_megatron.schedules import GENERATORS
 
+pytestmark = pytest.mark.multiprocess
+
 # make test runs this reduced grid; `make nccl-sweep` runs P = 2..16 (1,485 cases, about 15 minutes).
 SWEEP_RANKS = [2, 3, 4, 8]
 

@@ -21,6 +21,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+pytestmark = pytest.mark.multiprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

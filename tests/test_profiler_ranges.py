@@ -22,6 +22,8 @@ from dualpipe_megatron.trace.profile import read_profiles
 from launcher import LaunchFailed, spawn
 from pretrain_runs import TRAIN, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 WORLD = 2
 CASES = [
     dict(id="dualpipev-hook", schedule="dualpipev", microbatches=4 * WORLD, hook=True),

@@ -25,6 +25,8 @@ from dualpipe_megatron.projection.project import VARIANTS, build_variant, varian
 from dualpipe_megatron.schedules import FB, F, Costs, ScheduleError, build_schedule, simulate
 from dualpipe_megatron.schedules.simulate import StageCosts
 
+pytestmark = pytest.mark.multiprocess
+
 TINY = PRESETS["tiny"]
 
 

@@ -17,6 +17,8 @@ from dualpipe_megatron.projection.report import GIB, rows
 from dualpipe_megatron.schedules import build_schedule
 from dualpipe_megatron.schedules.optimize import optimize_order
 
+pytestmark = pytest.mark.slow
+
 BUDGETS = (Fraction(1), Fraction(3, 4), Fraction(1, 2), Fraction(1, 10))
 
 

@@ -26,6 +26,8 @@ from dualpipe_megatron.projection.project import build_variant, variants
 from dualpipe_megatron.schedules.ir import FB, B, F, Key
 from dualpipe_megatron.trace.profile import read_profiles
 
+pytestmark = pytest.mark.unit
+
 LAYERS = 2
 # Per layer, by hand (the layer at offset o = 100 ms x its index):
 #   compute summed: F 8 + 7 = 15, B (input grad) 12 + 1 = 13, W 6 + 4 = 10

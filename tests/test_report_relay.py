@@ -7,9 +7,12 @@ the sender's bit for bit.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dualpipe_megatron.megatron.relay import _flat, _unflat, layout_of
+
+pytestmark = pytest.mark.unit
 
 
 def _reports() -> list[dict]:

@@ -20,6 +20,8 @@ from launcher import assert_verdict, spawn
 from dualpipe_megatron.runtime.plan import ACT, MessagePlan
 from dualpipe_megatron.schedules import Costs, W, build_schedule, simulate
 
+pytestmark = pytest.mark.multiprocess
+
 WORLDS = (2, 4)
 
 

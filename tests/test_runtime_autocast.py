@@ -21,6 +21,8 @@ import autocast_workers as aw
 from launcher import spawn
 from dualpipe_megatron.runtime.wgrad import DeferredWeightGrads, deferring, make_linears_deferrable
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _cpu_autocast_supports(dtype: torch.dtype) -> bool:
     """Torch warns and runs without autocast for a dtype its CPU autocast does not support."""

@@ -14,6 +14,8 @@ from dualpipe_megatron.runtime import (
 )
 from dualpipe_megatron.schedules import build_schedule
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def _clean_store():

@@ -13,6 +13,8 @@ from dualpipe_megatron.schedules.simulate import Costs, simulate
 from dualpipe_megatron.schedules.validate import validate
 from dualpipe_megatron.schedules.zbv import list_order
 
+pytestmark = pytest.mark.unit
+
 ZBV_SHAPES = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (2 * p, 2 * p + 1, 3 * p, 4 * p)]
 CHIMERA_SHAPES = [(p, m) for p in (2, 4, 6, 8) for m in (p, 2 * p, 3 * p)]
 

@@ -13,6 +13,8 @@ from dualpipe_megatron.schedules.cli import main
 
 from contract_checker import check
 
+pytestmark = pytest.mark.unit
+
 
 PROGRAMS_UP_TO = 8  # ranks up to which the dumps carry their programs (lowering P=16 costs ~0.3 s a dump)
 

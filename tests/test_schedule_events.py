@@ -13,6 +13,8 @@ from dualpipe_megatron.schedules.events import (Encoder, Replay, live_change, ne
                                                 peak_live_activations, produces, receives, sends, timing)
 from dualpipe_megatron.schedules.ir import FB, B, F, Key, Schedule, W, halves
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_table_gives_the_contract_rules() -> None:
     k = Key(1, 2, 3)

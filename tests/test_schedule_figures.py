@@ -10,6 +10,8 @@ import pytest
 
 from dualpipe_megatron.schedules import Costs, build_schedule, simulate
 
+pytestmark = pytest.mark.slow
+
 # Costs with F = B - W and W <= F (where the DualPipe README formulas are exact).
 EXACT_COSTS = [(1, 2, 1, 3), (2, 3, 1, 4), (Fraction(3, 2), Fraction(5, 2), 1, Fraction(7, 2)),
                (1, Fraction(3, 2), Fraction(1, 2), 2), (1, 2, 1, Fraction(5, 2))]

@@ -12,6 +12,8 @@ from dualpipe_megatron.schedules import (
     B, F, FB, Key, ScheduleError, ValidationError, W, build_schedule, validate,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @st.composite
 def shapes(draw: st.DrawFn, name: str) -> tuple[int, int]:

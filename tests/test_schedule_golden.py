@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = json.loads((REPO / "tests" / "data" / "deepseek_golden_ops.json").read_text())
 _spec = importlib.util.spec_from_file_location("derive_deepseek_reference",

@@ -18,6 +18,8 @@ from dualpipe_megatron.schedules import Schedule, ScheduleError, build_schedule
 from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.lower import lower, lower_all, read_schedule
 
+pytestmark = pytest.mark.unit
+
 CASES = [("dualpipev", 2, 4), ("dualpipev", 4, 10), ("dualpipe", 2, 4), ("dualpipe", 4, 8)]
 
 

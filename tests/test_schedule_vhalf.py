@@ -8,6 +8,8 @@ from dualpipe_megatron.schedules import Costs, ScheduleError, build_schedule, si
 from dualpipe_megatron.schedules.events import peak_live_activations
 from dualpipe_megatron.schedules.vhalf import vhalf_cap
 
+pytestmark = pytest.mark.unit
+
 BALANCED = Costs.of(1, 2, 1, 3)  # F = B(input) = W = 1: the paper's case
 
 

@@ -14,6 +14,8 @@ from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import FB, B, F, Key, ScheduleError
 from dualpipe_megatron.schedules.simulate import Costs, StageCost, StageCosts, simulate
 
+pytestmark = pytest.mark.unit
+
 UNIFORM = Costs.of(F=1, B=2, W=1, FB=3, c="0.1")
 
 

@@ -23,6 +23,8 @@ from dualpipe_megatron.trace.cli import main
 from dualpipe_megatron.trace.figure import draw_measured
 from dualpipe_megatron.trace.records import pipelines
 
+pytestmark = pytest.mark.unit
+
 NS_PER_MS = 1_000_000
 COSTS = Costs.of(F=1, B=2, W="0.5", FB="2.5")
 OP_NAME = re.compile(r"^[FBW] m\d+ s\d+( d1)?( \+ B m\d+ s\d+( d1)?)?$")

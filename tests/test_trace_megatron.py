@@ -11,6 +11,8 @@ from dualpipe_megatron.trace.cli import main
 from launcher import LaunchFailed
 from pretrain_runs import TRAIN, losses, run
 
+pytestmark = pytest.mark.multiprocess
+
 
 def test_pretrain_writes_traces(tmp_path: Path) -> None:
     trace_dir = tmp_path / "trace"

@@ -25,6 +25,8 @@ from dualpipe_megatron.trace.cli import main
 from dualpipe_megatron.trace.profile import OUTSIDE, read_profiles
 from dualpipe_megatron.trace.profile_intervals import intersect, length, subtract, union
 
+pytestmark = pytest.mark.unit
+
 PID, MAIN, AUTOGRAD = 1166, 1166, 2571
 COMPUTE, COMPUTE2, COMM = 7, 23, 27
 GEMM = "void cutlass::device_kernel<dpsk::grouped_gemm::cuda::fp8_ptp128c::GemmKernel>(...)"

@@ -15,6 +15,8 @@ from dualpipe_megatron.schedules import build_schedule
 from dualpipe_megatron.schedules.ir import F
 from dualpipe_megatron.trace import analyze, chrome_trace, load
 
+pytestmark = pytest.mark.multiprocess
+
 WORLD, MICROBATCHES = 2, 4
 
 

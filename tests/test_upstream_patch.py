@@ -24,7 +24,8 @@ import pytest
 
 from launcher import REPO, LaunchFailed, job_env, marked_json, torchrun
 from pretrain_runs import EVAL, LOSS
-from test_guard import documented_patches
+
+pytestmark = pytest.mark.multiprocess
 
 PATCH = REPO / "patches" / "megatron-core-0.19.2-schedule-extension-point.patch"
 DRIVER = Path(__file__).with_name("upstream_driver.py")
@@ -147,16 +148,18 @@ def _training_patches(report: dict[str, Any]) -> dict[str, list[str]]:
     return {name: labels for name, labels in report["installed"].items() if name != "CPU compat"}
 
 
-def check_route_record(route: str, report: dict[str, Any]) -> None:
-    """A run's guard record against docs/training.md's tables for ``route``: what installing it
-    patched, and what the job added (each set's symbols as documented)."""
-    symbols, routes = documented_patches()
-    installs, adds = routes[route]
+def check_route_record(route: str, report: dict[str, Any], route_records: dict) -> None:
+    """A run's guard record against the record of the routes (scripts/route_patches.py, the
+    tables of docs/training.md): what installing ``route`` patched, the sets a job may add, and
+    each set's symbols as a job under the runtime patches holds them."""
+    symbols = route_records["job"]
+    installs = {"plugin": [], "runtime patches": list(route_records["runtime patches"])}[route]
+    adds = [name for name in symbols if name not in installs] + ["mirror replicas"]
     assert sorted(set(report["installed_at_start"]) - {"CPU compat"}) == sorted(installs)
     at_end = _training_patches(report)
     assert set(installs) | MODEL_PATCHES <= set(at_end) <= set(installs) | set(adds), at_end
-    for name, labels in at_end.items():
-        assert labels == symbols[name], name
+    assert {name: labels for name, labels in at_end.items() if name != "mirror replicas"} == {
+        name: symbols[name] for name in at_end if name != "mirror replicas"}
 
 
 def _load_plugins_module(root: Path) -> Any:
@@ -243,8 +246,8 @@ def test_register_refuses_an_unpatched_megatron() -> None:
         upstream_plugin.register()
 
 
-def test_plugin_trains_dualpipev_without_runtime_patches(plugin_run: dict[str, Any],
-                                                         patched_root: Path) -> None:
+def test_plugin_trains_dualpipev_without_runtime_patches(plugin_run: dict[str, Any], patched_root: Path,
+                                                         route_records: dict) -> None:
     assert sorted(plugin_run["losses"]) == ITERATIONS, plugin_run["log"][-4000:]
     assert len(plugin_run["reports"]) == 2  # one per rank
     copy = patched_root / "megatron" / "training"
@@ -254,7 +257,7 @@ def test_plugin_trains_dualpipev_without_runtime_patches(plugin_run: dict[str, A
         assert report["get_model_file"] == str(copy / "training.py")  # Megatron's own get_model
         assert "training flag support" not in report["installed"]
         assert "EPLB" not in report["installed"]  # no --eplb-* flag: EPLB left Megatron alone
-        check_route_record("plugin", report)
+        check_route_record("plugin", report, route_records)
         assert report["registered_plugin"] == "DualPipeSchedulePlugin"
         # train() and each evaluate() took their forward_backward_func from the plugin.
         schedules = report["plugin_schedules"]
@@ -263,15 +266,15 @@ def test_plugin_trains_dualpipev_without_runtime_patches(plugin_run: dict[str, A
             schedules
 
 
-def test_plugin_losses_equal_runtime_patch_losses(plugin_run: dict[str, Any],
-                                                  runtime_run: dict[str, Any]) -> None:
+def test_plugin_losses_equal_runtime_patch_losses(plugin_run: dict[str, Any], runtime_run: dict[str, Any],
+                                                  route_records: dict) -> None:
     for report in runtime_run["reports"]:
         assert report["route"] == "runtime-patches"
         assert report["megatron_training"] == str(installed_megatron() / "training")
         # The check the plugin run passes is live:
         assert report["installed"]["training flag support"] == RUNTIME_PATCHED
         assert "EPLB" not in report["installed"]
-        check_route_record("runtime patches", report)
+        check_route_record("runtime patches", report, route_records)
     assert sorted(runtime_run["losses"]) == ITERATIONS, runtime_run["log"][-4000:]
     assert sorted(runtime_run["eval_losses"]) == EVALUATIONS, runtime_run["log"][-4000:]
     assert plugin_run["losses"] == runtime_run["losses"]

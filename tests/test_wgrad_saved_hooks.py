@@ -15,6 +15,8 @@ from torch import nn
 
 from dualpipe_megatron.runtime.wgrad import DeferrableLinear, WeightGradStore, deferring
 
+pytestmark = pytest.mark.unit
+
 ROWS, WIDTH = 4, 6
 
 

@@ -23,6 +23,8 @@ from dualpipe_megatron.runtime.plan import MessagePlan
 from dualpipe_megatron.runtime.wgrad import make_linears_deferrable, run_backward
 from dualpipe_megatron.schedules import build_schedule
 
+pytestmark = pytest.mark.unit
+
 WIDTH, RANK = 4, 0
 SCHED = build_schedule("dualpipev", 2, 4)
 PLAN = MessagePlan.build(SCHED, RANK, forward_only=False)

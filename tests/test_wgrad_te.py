@@ -23,6 +23,8 @@ from dualpipe_megatron.megatron.wgrad_te import (
 from dualpipe_megatron.runtime.wgrad import WeightGradStore, deferring
 from dualpipe_megatron.schedules import Schedule, W, build_schedule
 
+pytestmark = pytest.mark.unit
+
 
 class _RecordingModule(torch.nn.Module):
     """Stands in for a TE linear: ``backward_dw`` pops one queued weight GEMM."""
