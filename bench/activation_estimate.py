@@ -5,9 +5,9 @@ Each case is one real pretraining job on this CPU (``bench/metered_pretrain.py``
 dense GPT (bf16, P=2) and the DeepSeek-V3 proxy (``scripts/deepseek_v3_proxy.flags`` without
 EPLB: MLA, MoE with a shared expert, MTP; fp32, EP=2 x P=2), under Megatron's 1F1B and
 interleaved 1F1B and our DualPipe and DualPipeV, with each recompute option that runs on a CPU.
-The estimate is :mod:`dualpipe_megatron.launch_plan`'s for the very same arguments
-(``launch_memory.activation_peaks`` of the job's op order over
-``launch_memory.stage_activations``). Measured: the peak saved bytes of the job's last step on
+The estimate is :mod:`dualpipe_megatron.plan`'s for the very same arguments
+(``plan.memory.activation_peaks`` of the job's op order over
+``plan.memory.stage_activations``). Measured: the peak saved bytes of the job's last step on
 each rank; where several ranks share a pipeline rank (expert or data parallel) their mean,
 since the estimate assumes balanced routing (their max is in the JSON).
 
@@ -124,8 +124,8 @@ def estimated(case: Case) -> list[float]:
 
 def estimate_for(argv: list[str], world: int) -> list[float]:
     """The launch plan's per-rank activation peaks for a job's arguments."""
-    from dualpipe_megatron.launch_memory import activation_peaks, overlapped_pairs, stage_activations
-    from dualpipe_megatron.launch_plan import check, job_schedule, parse
+    from dualpipe_megatron.plan.memory import activation_peaks, overlapped_pairs, stage_activations
+    from dualpipe_megatron.plan import check, job_schedule, parse
     from dualpipe_megatron.megatron.auto_layout import microbatches
 
     checked = check(parse(argv, world))

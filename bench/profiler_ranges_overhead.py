@@ -1,4 +1,4 @@
-"""What the executor's op ranges cost while no profiler records (``dualpipe_megatron/runtime/profiling.py``).
+"""What the executor's op ranges cost while no profiler records (``dualpipe_megatron/runtime/profiler_ranges.py``).
 
 Three measurements, one process (CPU, gloo world of 1, DualPipeV with both
 stages on the one rank, 4x4 ``nn.Linear`` stages, so a step is almost all

@@ -1,7 +1,7 @@
 """The entry point that enables ``--pipeline-schedule`` and the ``--eplb-*`` flags in a process.
 
 It composes the Megatron adapter's route (the schedule plugin where megatron carries the
-extension point of patches/, else :func:`training_support.install`'s runtime patches) with
+extension point of patches/, else :func:`training_hooks.install`'s runtime patches) with
 EPLB's flag registration. It sits above both sub-packages because EPLB registers its flags
 through the adapter's argument hooks: the adapter cannot import EPLB's entry point back without
 an import cycle. docs/training.md ("How it plugs into Megatron") lists what each route installs,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .eplb import training as eplb_training
-from .megatron import model, mtp, predicates, training_support, upstream_plugin, wgrad_megatron, wgrad_te
+from .megatron import model, mtp, predicates, training_hooks, upstream_plugin, wgrad_megatron, wgrad_te
 from .megatron.cpu_compat import install_cpu_compat
 from .patch_guard import megatron_version_mismatch
 
@@ -29,7 +29,7 @@ def install_for_megatron() -> str:
     if upstream_plugin.has_extension_point():
         upstream_plugin.register()
         return "plugin"
-    training_support.install()
+    training_hooks.install()
     return "runtime-patches"
 
 
@@ -70,7 +70,7 @@ def uninstall_for_megatron() -> None:
     compat has its own ``uninstall_cpu_compat``; strict mode restores its recorders at each
     step's end. A registered plugin stays registered: the extension point cannot remove one."""
     eplb_training.uninstall()
-    training_support.uninstall()
+    training_hooks.uninstall()
     predicates.set_job_stage_map(None)
     predicates.PATCHES.restore()
     wgrad_megatron.uninstall_linear_deferral()

@@ -151,7 +151,7 @@ if [[ "$DRY_RUN" == 1 ]]; then
     if [[ "${PLAN:-1}" == 1 ]]; then
         COMPARE_ARGS=()
         [[ "${COMPARE:-0}" == 1 ]] && COMPARE_ARGS=(--compare --gpu-memory "${GPU_MEMORY:-80}")
-        "${PYTHON:-python}" -m dualpipe_megatron.launch_plan --world-size "$WORLD" \
+        "${PYTHON:-python}" -m dualpipe_megatron.plan --world-size "$WORLD" \
             --gpus-per-node "$GPUS_PER_NODE" "${COMPARE_ARGS[@]}" -- "${PRETRAIN_ARGS[@]}"
     fi
     exit 0

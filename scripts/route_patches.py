@@ -23,14 +23,14 @@ ROUTES = {
     "launcher": "`python -m dualpipe_megatron.launch SCRIPT` and `scripts/pretrain_gpt.py` "
                 "(`routes.install_for_training()`)",
     "install_for_megatron": "`routes.install_for_megatron()` (this megatron has no extension point)",
-    "runtime patches": "`training_support.install()`",
+    "runtime patches": "`training_hooks.install()`",
 }
 # When each patch set is installed: every set in the record needs a line here.
 INSTALLED_BY = {
     "CPU compat": "`install_cpu_compat()` where CUDA is absent (every group, in "
                   "[megatron_cpu.md](megatron_cpu.md)); on a GPU its `dataset_helpers` group alone",
-    "training flag support": "`training_support.install()`",
-    "stage predicates": "`training_support.install()`, or the first stage map (`predicates.install_predicates()`)",
+    "training flag support": "`training_hooks.install()`",
+    "stage predicates": "`training_hooks.install()`, or the first stage map (`predicates.install_predicates()`)",
     "EPLB": "validated arguments with `--eplb-interval`, `--eplb-stats-file` or `--eplb-redundant-experts`",
     "linear weight-grad deferral": "`prepare_model` (the `get_model` or `build_virtual_pipeline_stages` hook, "
                                    "or the plugin's `finalize_model`)",
@@ -47,7 +47,7 @@ def record() -> dict:
     ``routes.uninstall_for_megatron()``."""
     from dualpipe_megatron import patch_guard, routes
     from dualpipe_megatron.eplb import training as eplb_training
-    from dualpipe_megatron.megatron import cpu_compat, mtp, training_support, wgrad_megatron, wgrad_te
+    from dualpipe_megatron.megatron import cpu_compat, mtp, training_hooks, wgrad_megatron, wgrad_te
     from dualpipe_megatron.runtime.comm_log import CommLog
     from dualpipe_megatron.runtime.strict import StepRecorder
 
@@ -55,7 +55,7 @@ def record() -> dict:
     routes.uninstall_for_megatron()
     cpu_compat.uninstall_cpu_compat()
     out["uninstalled"] = patch_guard.installed()
-    training_support.install()
+    training_hooks.install()
     out["runtime patches"] = patch_guard.installed()
     routes.uninstall_for_megatron()
     out["install_for_megatron route"] = routes.install_for_megatron()

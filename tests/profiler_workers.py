@@ -2,7 +2,7 @@
 
 Each case runs one training step with no profiler on, then a training step and a
 forward-only step under ``torch.profiler.profile``, counting every range the
-executor creates (a spy on :mod:`dualpipe_megatron.runtime.profiling`'s
+executor creates (a spy on :mod:`dualpipe_megatron.runtime.profiler_ranges`'s
 ``record_function``) and reading the op ranges back from the exported chrome trace.
 """
 

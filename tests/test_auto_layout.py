@@ -257,7 +257,7 @@ def test_auto_layout_from_megatron_arguments() -> None:
 
     from dualpipe_megatron.megatron.auto_layout import auto_layout, model_shape
     from dualpipe_megatron.megatron.model import check_configuration
-    from dualpipe_megatron.megatron.training_support import add_arguments
+    from dualpipe_megatron.megatron.training_hooks import add_arguments
 
     parser = add_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     argv = ("--num-layers 12 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --vocab-size 4096 "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -4,7 +4,7 @@ Cheap by design (no process, no Megatron import): links and anchors are resolved
 files' headings; ``make`` targets against the Makefile; our CLIs' subcommands and options through
 their own ``make_parser()``; script options against the option strings written in the script
 (``scripts/pretrain_gpt.py`` and the launch templates also take ours and Megatron's, read as
-text from ``training_support.py`` and Megatron's ``arguments.py``); names imported from
+text from ``training_hooks.py`` and Megatron's ``arguments.py``); names imported from
 ``dualpipe_megatron`` in Python examples against the module's top-level definitions. Whether a
 command *works* is the business of the tests of each tool; here we catch what a rename or a
 moved section silently breaks.
@@ -96,10 +96,10 @@ def option_literals(path: Path) -> set[str]:
 
 @functools.cache
 def our_flags() -> frozenset[str]:
-    """Options ``training_support.add_arguments`` and EPLB's ``add_arguments`` define (read from
+    """Options ``training_hooks.add_arguments`` and EPLB's ``add_arguments`` define (read from
     their sources)."""
     trees = [ast.parse(text(ROOT / "dualpipe_megatron" / path))
-             for path in ("megatron/training_support.py", "eplb/training.py")]
+             for path in ("megatron/training_hooks.py", "eplb/training.py")]
     return frozenset(
         arg.value for tree in trees for node in ast.walk(tree)
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
@@ -326,7 +326,7 @@ def test_commands_name_real_targets_subcommands_and_options(doc: Path) -> None:
 @pytest.mark.parametrize("doc", DOCS, ids=DOC_IDS)
 def test_dualpipe_flags_named_exist(doc: Path) -> None:
     unknown = sorted(set(OUR_FLAG.findall(text(doc))) - our_flags())
-    assert not unknown, f"{doc.name} names options training_support does not define: {unknown}"
+    assert not unknown, f"{doc.name} names options training_hooks does not define: {unknown}"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=DOC_IDS)

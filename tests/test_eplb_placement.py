@@ -150,7 +150,7 @@ def test_flags_accept_a_plain_setup_and_stats_only() -> None:
     (False, None, 2, False), (True, None, 2, True), (True, 1, 2, False), (False, None, 1, True),
 ])
 def test_fully_parallel_save_is_off_when_embedding_copies_share_a_rank(untie, mtp, dp, expected) -> None:
-    from dualpipe_megatron.megatron.training_support import _save_embedding_copies_plainly
+    from dualpipe_megatron.megatron.training_hooks import _save_embedding_copies_plainly
 
     args = argparse.Namespace(untie_embeddings_and_output_weights=untie, mtp_num_layers=mtp,
                               data_parallel_size=dp, ckpt_fully_parallel_save=True, rank=1)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dualpipe_megatron import patch_guard
-from dualpipe_megatron.megatron import cpu_compat, guard, training_support, wgrad_megatron, wgrad_te
+from dualpipe_megatron.megatron import cpu_compat, guard, training_hooks, wgrad_megatron, wgrad_te
 from dualpipe_megatron.patch_guard import PatchSet
 from dualpipe_megatron.megatron.model import (
     MIRROR_REPLICAS, save_mirror_copies_as_replicas, uninstall_mirror_replicas,
@@ -187,12 +187,12 @@ def test_private_symbols() -> None:
 def subsystems() -> Iterator[None]:
     """Every subsystem installed; all restored afterwards, whatever the test undid."""
     cpu_compat.install_cpu_compat(force=True)
-    training_support.install()
+    training_hooks.install()
     wgrad_megatron.install_linear_deferral()
     wgrad_te.install_delayed_wgrad_deferral()
     yield
     cpu_compat.uninstall_cpu_compat()
-    training_support.uninstall()
+    training_hooks.uninstall()
     wgrad_megatron.uninstall_linear_deferral()
     wgrad_te.uninstall_delayed_wgrad_deferral()
 
@@ -205,7 +205,7 @@ def _samples() -> dict[str, tuple[PatchSet, object, str]]:
 
     return {
         "cpu compat": (cpu_compat.PATCHES, torch.cuda, "current_device"),
-        "training": (training_support.PATCHES, training, "get_model"),
+        "training": (training_hooks.PATCHES, training, "get_model"),
         "linear": (wgrad_megatron.PATCHES, LinearWithGradAccumulationAndAsyncCommunication,
                    "backward"),
         "delayed": (wgrad_te.PATCHES, TransformerLayerNode, "backward_dw"),
@@ -235,7 +235,7 @@ def test_uninstalling_one_subsystem_leaves_the_others(subsystems: None) -> None:
 def test_installs_are_idempotent(subsystems: None) -> None:
     installed = _state()
     cpu_compat.install_cpu_compat(force=True)
-    training_support.install()
+    training_hooks.install()
     wgrad_megatron.install_linear_deferral()
     wgrad_te.install_delayed_wgrad_deferral()
     assert _state() == installed

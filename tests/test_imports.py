@@ -14,7 +14,7 @@ The sub-packages form layers, lowest first; a layer imports only from layers bel
 5. ``eplb``: hooks into the adapter's argument hooks and gradient path; ``bridge``:
    Megatron-Bridge's route, over the adapter;
 6. entry points, which may also import one another: ``routes`` (above ``megatron`` and
-   ``eplb``), ``launch``, ``launch_plan``, ``launch_compare``, ``launch_memory``, ``demo``.
+   ``eplb``), ``launch``, ``plan`` (and ``launch_plan``, its first command name), ``demo``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ LAYERS = [
     {"compat", "trace"},
     {"megatron", "projection"},
     {"eplb", "bridge"},
-    {"routes", "launch", "launch_plan", "launch_compare", "launch_memory", "demo"},
+    {"routes", "launch", "plan", "launch_plan", "demo"},
 ]
 ENTRY_POINTS = LAYERS[-1]
 

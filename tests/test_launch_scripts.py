@@ -4,7 +4,7 @@ No GPU, torchrun job or SLURM is needed: a dry run prints the command and runs n
 (``TORCHRUN=false``/no ``srun`` would fail otherwise). The printed pretraining arguments go
 through Megatron's own argument parser with our flags and through our schedule checks, so a
 typo'd flag or a layout that does not fit the stages fails here, not on a cluster. The dry
-run's plan (``dualpipe_megatron.launch_plan``) runs in-process on the printed arguments for both
+run's plan (``dualpipe_megatron.plan``) runs in-process on the printed arguments for both
 schedules, with the GPU node's facts (Transformer Engine, CUDA) mocked so Megatron's own
 ``validate_args`` runs too; one dry run runs the plan as the script does, to a refusal.
 """
@@ -48,14 +48,14 @@ def _command(output: str) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import add_megatron_arguments
 
-    from dualpipe_megatron.megatron.training_support import add_arguments
+    from dualpipe_megatron.megatron.training_hooks import add_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
     return add_arguments(add_megatron_arguments(parser))
 
 
 def _check_pretrain_args(cmd: list[str]) -> argparse.Namespace:
-    from dualpipe_megatron.megatron import support, training_support
+    from dualpipe_megatron.megatron import refusals, training_hooks
     from dualpipe_megatron.megatron.model import check_configuration
 
     launcher = dict(zip(cmd[1:], cmd[2:]))
@@ -64,8 +64,8 @@ def _check_pretrain_args(cmd: list[str]) -> argparse.Namespace:
     world = int(launcher["--nnodes"]) * int(launcher["--nproc-per-node"])
     dp = world // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
     # The templates target GPU nodes with Transformer Engine, which FP8 needs (it is absent here).
-    with mock.patch.object(support, "_have_transformer_engine", lambda: True):
-        training_support.pre_validate(args)
+    with mock.patch.object(refusals, "_have_transformer_engine", lambda: True):
+        training_hooks.pre_validate(args)
     check_configuration(args.pipeline_schedule, args.pipeline_model_parallel_size,
                         args.global_batch_size // (args.micro_batch_size * dp), args.num_layers,
                         args.dualpipe_layout, args.mtp_num_layers or 0)
@@ -157,19 +157,19 @@ def _plan(cmd: list[str]) -> tuple[list[str], float]:
     import torch
     from megatron.training import arguments
 
-    from dualpipe_megatron import launch_plan
-    from dualpipe_megatron.megatron import support
+    from dualpipe_megatron.plan import job as plan_job
+    from dualpipe_megatron.megatron import refusals
 
     _parser()
     launcher = dict(zip(cmd[1:], cmd[2:]))
     world = int(launcher["--nnodes"]) * int(launcher["--nproc-per-node"])
     script = next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py"))
     start = time.perf_counter()
-    with mock.patch.object(support, "_have_transformer_engine", lambda: True), \
-            mock.patch.object(launch_plan, "_have_cuda", lambda: True), \
+    with mock.patch.object(refusals, "_have_transformer_engine", lambda: True), \
+            mock.patch.object(plan_job, "_have_cuda", lambda: True), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda *_: (9, 0)), \
             mock.patch.object(arguments, "is_te_min_version", lambda *_, **__: True):
-        lines = launch_plan.report(launch_plan.check(launch_plan.parse(cmd[script + 1:], world)))
+        lines = plan_job.report(plan_job.check(plan_job.parse(cmd[script + 1:], world)))
     return lines, time.perf_counter() - start
 
 
@@ -249,14 +249,14 @@ def test_parameter_count_matches_megatrons_estimate() -> None:
 
     from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
 
-    from dualpipe_megatron import launch_plan
-    from dualpipe_megatron.launch_memory import padded_vocab, stage_params
+    from dualpipe_megatron.plan import job as plan_job
+    from dualpipe_megatron.plan.memory import padded_vocab, stage_params
 
     result = _run(TORCHRUN_SH, "--dry-run", FP8="0")
     cmd = _command(result.stdout)
     _parser()
-    args = launch_plan.parse(cmd[next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py")) + 1:], 2048)
-    launch_plan.check(args)
+    args = plan_job.parse(cmd[next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py")) + 1:], 2048)
+    plan_job.check(args)
     ours = sum(p.total for p in stage_params(args, args.pipeline_model_parallel_layout.stage_layers, shard=False))
     h = args.hidden_size
     megatron_args = copy.copy(args)
@@ -273,23 +273,23 @@ def _compare(cmd: list[str], gpu_memory: float | None = None) -> tuple[list, int
     import torch
     from megatron.training import arguments
 
-    from dualpipe_megatron import launch_plan
-    from dualpipe_megatron.megatron import support
+    from dualpipe_megatron.plan import job as plan_job
+    from dualpipe_megatron.megatron import refusals
 
     _parser()
     script = next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py"))
     world = int(dict(zip(cmd[1:], cmd[2:]))["--nproc-per-node"])
-    with mock.patch.object(support, "_have_transformer_engine", lambda: True), \
-            mock.patch.object(launch_plan, "_have_cuda", lambda: True), \
+    with mock.patch.object(refusals, "_have_transformer_engine", lambda: True), \
+            mock.patch.object(plan_job, "_have_cuda", lambda: True), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda *_: (9, 0)), \
             mock.patch.object(arguments, "is_te_min_version", lambda *_, **__: True):
-        checked = launch_plan.check(launch_plan.parse(cmd[script + 1:], world))
-        _, rows, best = launch_plan.comparison(checked, 8, None, gpu_memory)
+        checked = plan_job.check(plan_job.parse(cmd[script + 1:], world))
+        _, rows, best = plan_job.comparison(checked, 8, None, gpu_memory)
         return rows, best
 
 
 def test_compare_rows_agree_with_the_plan_of_the_same_options() -> None:
-    """``launch_plan --compare`` on the one-node proxy: every training schedule has a row, and the
+    """``plan --compare`` on the one-node proxy: every training schedule has a row, and the
     DualPipeV row's step, activations and memory per rank are the one-schedule plan's for
     the same layout and order (the plan run with that row's schedule and layout)."""
     base = _command(_run(TORCHRUN_SH, "--dry-run", **PROXY, FP8="1").stdout)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpipe_megatron.megatron import training_support
+from dualpipe_megatron.megatron import training_hooks
 from dualpipe_megatron.megatron.schedule import DualPipeOptions, training_order
 from dualpipe_megatron.schedules import build_schedule
 from dualpipe_megatron.schedules.events import peak_live_activations
@@ -32,7 +32,7 @@ def _args(**kw: object) -> SimpleNamespace:
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
 def test_budget_must_be_a_positive_integer(value: str, capsys: pytest.CaptureFixture) -> None:
-    parser = training_support.add_arguments(argparse.ArgumentParser())
+    parser = training_hooks.add_arguments(argparse.ArgumentParser())
     with pytest.raises(SystemExit):
         parser.parse_args(["--dualpipe-max-activations", value])
     assert "argument --dualpipe-max-activations" in capsys.readouterr().err
@@ -42,16 +42,16 @@ def test_budget_must_be_a_positive_integer(value: str, capsys: pytest.CaptureFix
 
 def test_budget_below_the_minimum_is_refused_at_validation() -> None:
     with pytest.raises(ValueError, match=r"^--dualpipe-max-activations 1 is below the minimum 2: "):
-        training_support._activation_budget(_args(dualpipe_max_activations=1), 2)
-    assert training_support._activation_budget(_args(dualpipe_max_activations=2), 2) == 2
-    assert training_support._activation_budget(_args(pipeline_schedule="dualpipe", dualpipe_max_activations=1),
+        training_hooks._activation_budget(_args(dualpipe_max_activations=1), 2)
+    assert training_hooks._activation_budget(_args(dualpipe_max_activations=2), 2) == 2
+    assert training_hooks._activation_budget(_args(pipeline_schedule="dualpipe", dualpipe_max_activations=1),
                                                2) == 1
-    assert training_support._activation_budget(_args(), 2) is None
+    assert training_hooks._activation_budget(_args(), 2) is None
 
 
 def test_budget_below_the_minimum_is_refused_at_the_first_step_without_a_batch_size() -> None:
     args = _args(dualpipe_max_activations=1, global_batch_size=None)
-    assert training_support._activation_budget(args, 2) == 1
+    assert training_hooks._activation_budget(args, 2) == 1
     with pytest.raises(ValueError, match=r"^--dualpipe-max-activations 1 is below the minimum 2: "):
         training_order(DualPipeOptions(schedule="dualpipev", max_activations=1), 2, 8)
 
@@ -59,12 +59,12 @@ def test_budget_below_the_minimum_is_refused_at_the_first_step_without_a_batch_s
 def test_budget_allows_stage_costs_and_alone_uses_the_uniform_costs(tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(StageCosts.uniform(build_schedule("dualpipev", 2, 8), Costs.of()).to_json_obj()))
-    got = training_support._optimization_costs(_args(dualpipe_stage_costs=str(path), dualpipe_max_activations=3), 2)
+    got = training_hooks._optimization_costs(_args(dualpipe_stage_costs=str(path), dualpipe_max_activations=3), 2)
     assert isinstance(got, StageCosts)
-    assert training_support._optimization_costs(_args(dualpipe_max_activations=3), 2) == Costs.of()
-    assert training_support._optimization_costs(_args(), 2) is None
+    assert training_hooks._optimization_costs(_args(dualpipe_max_activations=3), 2) == Costs.of()
+    assert training_hooks._optimization_costs(_args(), 2) is None
     with pytest.raises(ValueError, match="used by --dualpipe-optimize-order and --dualpipe-max-activations only"):
-        training_support._optimization_costs(_args(dualpipe_stage_costs=str(path)), 2)
+        training_hooks._optimization_costs(_args(dualpipe_stage_costs=str(path)), 2)
 
 
 def test_budget_alone_runs_the_optimizers_order_within_it() -> None:

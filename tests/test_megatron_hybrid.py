@@ -36,7 +36,7 @@ from test_deepseek_v3_proxy import MTP, proxy_flags
 
 from dualpipe_megatron.eplb.experts import _layer_key
 from dualpipe_megatron.megatron.hybrid import stage_layout, stage_segments
-from dualpipe_megatron.megatron.support import argument_problems
+from dualpipe_megatron.megatron.refusals import argument_problems
 from dualpipe_megatron.schedules import ScheduleError
 from dualpipe_megatron.trace import analyze, load
 

@@ -11,7 +11,7 @@ from megatron.core.transformer.enums import LayerType
 
 from dualpipe_megatron.megatron.model import chunk_roles, check_configuration, dualpipe_layout
 from dualpipe_megatron.megatron.predicates import running_chunk, stage_map_active
-from dualpipe_megatron.megatron.support import UNBUILT, chunk_role_problems, stage_map_for, step_problems
+from dualpipe_megatron.megatron.refusals import UNBUILT, chunk_role_problems, stage_map_for, step_problems
 
 pytestmark = pytest.mark.unit
 
@@ -159,7 +159,7 @@ def _args(**kw: object) -> SimpleNamespace:
 
 
 def test_distributed_optimizer_state_of_another_schedule_is_refused() -> None:
-    from dualpipe_megatron.megatron.training_support import check_checkpoint_schedule
+    from dualpipe_megatron.megatron.training_hooks import check_checkpoint_schedule
 
     saved = _args(pipeline_schedule="dualpipev", virtual_pipeline_model_parallel_size=2)
     with pytest.raises(RuntimeError, match="saved under --pipeline-schedule dualpipev, the run uses 1f1b"):
@@ -176,7 +176,7 @@ def test_distributed_optimizer_state_of_another_schedule_is_refused() -> None:
 def test_fp8_without_transformer_engine_is_refused() -> None:
     import importlib.util
 
-    from dualpipe_megatron.megatron.training_support import pre_validate
+    from dualpipe_megatron.megatron.training_hooks import pre_validate
 
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed here")

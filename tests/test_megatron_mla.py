@@ -29,7 +29,6 @@ import argparse
 import math
 import types
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch

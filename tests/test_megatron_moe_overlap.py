@@ -89,7 +89,7 @@ def _config(**kwargs):
 ])
 def test_models_that_fall_back_to_f_then_b(change: dict, reason: str) -> None:
     from dualpipe_megatron.megatron.moe_overlap import overlap_enabled
-    from dualpipe_megatron.megatron.support import overlap_blockers
+    from dualpipe_megatron.megatron.refusals import overlap_blockers
 
     config = _config(**change)
     assert any(reason in r for r in overlap_blockers(config, [_Plannable()], _forward_step))
@@ -105,7 +105,7 @@ def _no_warning():
 
 def test_overlap_needs_forward_step_with_schedule_plans_and_plannable_chunks() -> None:
     from dualpipe_megatron.megatron.moe_overlap import overlap_enabled
-    from dualpipe_megatron.megatron.support import overlap_blockers
+    from dualpipe_megatron.megatron.refusals import overlap_blockers
 
     config = _config()
     assert overlap_blockers(config, [_Plannable()], _forward_step) == []

@@ -21,7 +21,6 @@ PP=1 model the runs start from).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 

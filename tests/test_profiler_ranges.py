@@ -15,10 +15,10 @@ import pytest
 
 import profiler_workers as pw
 from dualpipe_megatron.runtime.plan import executed_halves
-from dualpipe_megatron.runtime.profiling import NAME, PREFIX, op_range, range_name
+from dualpipe_megatron.runtime.profiler_ranges import NAME, PREFIX, op_range, range_name
 from dualpipe_megatron.schedules import B, F, FB, Key, Schedule, W, build_schedule
 from dualpipe_megatron.schedules.ir import halves
-from dualpipe_megatron.trace.profile import read_profiles
+from dualpipe_megatron.trace.kineto import read_profiles
 from launcher import LaunchFailed, spawn
 from pretrain_runs import TRAIN, losses, run
 

@@ -24,7 +24,7 @@ from dualpipe_megatron.projection.costs import overlapped_fb
 from dualpipe_megatron.projection.placement import PairCosts, Realistic
 from dualpipe_megatron.projection.project import build_variant, variants
 from dualpipe_megatron.schedules.ir import FB, B, F, Key
-from dualpipe_megatron.trace.profile import read_profiles
+from dualpipe_megatron.trace.kineto import read_profiles
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ import pytest
 
 import schedule_file_workers as workers
 from launcher import spawn
-from dualpipe_megatron.megatron import training_support
+from dualpipe_megatron.megatron import training_hooks
 from dualpipe_megatron.megatron.schedule import DualPipeOptions, training_order
 from dualpipe_megatron.schedules import build_schedule
 from dualpipe_megatron.schedules.optimize import optimize_order
@@ -53,7 +53,7 @@ def test_the_job_runs_the_dumped_budgeted_order(tmp_path: Path) -> None:
     expected = optimize_order(build_schedule("dualpipev", 2, 8), Costs.of(), max_activations=3)
     ran = training_order(DualPipeOptions(schedule="dualpipev", schedule_file=str(path)), 2, 8)
     assert ran.ops == expected.ops != build_schedule("dualpipev", 2, 8).ops
-    assert training_support._schedule_file(_args(path), 2) == str(path)
+    assert training_hooks._schedule_file(_args(path), 2) == str(path)
 
 
 def test_a_file_for_another_microbatch_count_is_refused_naming_it(tmp_path: Path) -> None:
@@ -61,9 +61,9 @@ def test_a_file_for_another_microbatch_count_is_refused_naming_it(tmp_path: Path
     with pytest.raises(ValueError, match=r"made for 8 micro-batches per step; this job runs 12"):
         training_order(DualPipeOptions(schedule="dualpipev", schedule_file=str(path)), 2, 12)
     with pytest.raises(ValueError, match=r"made for 8 micro-batches per step; this job runs 16"):
-        training_support._schedule_file(_args(path, global_batch_size=16), 2)
+        training_hooks._schedule_file(_args(path, global_batch_size=16), 2)
     # Without a batch size the check waits for the first step (the same check).
-    assert training_support._schedule_file(_args(path, global_batch_size=None), 2) == str(path)
+    assert training_hooks._schedule_file(_args(path, global_batch_size=None), 2) == str(path)
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -97,11 +97,11 @@ def test_an_invalid_or_unreadable_file_is_refused(tmp_path: Path) -> None:
 def test_the_in_job_search_flags_are_refused_beside_a_file(tmp_path: Path, flag: str, value: object) -> None:
     name = "--" + flag.replace("_", "-")
     with pytest.raises(ValueError, match=rf"^--dualpipe-schedule-file runs the order in its file; drop {name} "):
-        training_support._schedule_file(_args(tmp_path / "order.json", **{flag: value}), 2)
+        training_hooks._schedule_file(_args(tmp_path / "order.json", **{flag: value}), 2)
 
 
 def test_the_flag_parses() -> None:
-    parser = training_support.add_arguments(argparse.ArgumentParser())
+    parser = training_hooks.add_arguments(argparse.ArgumentParser())
     assert parser.parse_args(["--dualpipe-schedule-file", "x.json"]).dualpipe_schedule_file == "x.json"
     assert parser.parse_args([]).dualpipe_schedule_file is None
 

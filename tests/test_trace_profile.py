@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from dualpipe_megatron.runtime.profiling import op_range
+from dualpipe_megatron.runtime.profiler_ranges import op_range
 from dualpipe_megatron.schedules.ir import B, F, Key, W
 from dualpipe_megatron.trace import TraceError
 from dualpipe_megatron.trace.cli import main
-from dualpipe_megatron.trace.profile import OUTSIDE, read_profiles
-from dualpipe_megatron.trace.profile_intervals import intersect, length, subtract, union
+from dualpipe_megatron.trace.kineto import OUTSIDE, read_profiles
+from dualpipe_megatron.trace.intervals import intersect, length, subtract, union
 
 pytestmark = pytest.mark.unit
 

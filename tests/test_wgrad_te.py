@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
-from dualpipe_megatron.megatron.support import delayed_wgrad_problems
+from dualpipe_megatron.megatron.refusals import delayed_wgrad_problems
 from dualpipe_megatron.megatron.wgrad_te import (
     fifo_order_violations, install_delayed_wgrad_deferral,
 )

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..megatron import training_support
+from ..megatron import training_hooks
 from ..megatron.model import check_configuration, dualpipe_layout, prepare_model
 from ..megatron.predicates import active_stage_map
 from ..megatron.schedule import DualPipeOptions
-from ..megatron.support import schedule_problems
+from ..megatron.refusals import schedule_problems
 from ..patch_guard import PatchSet, around
 from .version import check_bridge_version
 
@@ -59,8 +59,8 @@ def enable(cfg: Any, schedule: str = "dualpipev", *, layout: str | None = None, 
     model.overlap_p2p_comm = False
     cfg.ddp.align_param_gather = False
     job = DualPipeOptions(schedule=schedule, **options)
-    training_support.install()
-    training_support.set_active_options(job)
+    training_hooks.install()
+    training_hooks.set_active_options(job)
     _install()
     return job
 
@@ -79,7 +79,7 @@ def _config_problems(model: Any, schedule: str) -> list[str]:
 
 
 def _create_model(original: Callable, model_provider: Any, model_type: Any, pg_collection: Any) -> Any:
-    options = training_support.active_options()
+    options = training_hooks.active_options()
     if options is None:
         return original(model_provider, model_type, pg_collection)
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -88,7 +88,7 @@ def _create_model(original: Callable, model_provider: Any, model_type: Any, pg_c
     problems = schedule_problems(options.schedule, pp, get_num_microbatches())
     if problems:
         raise ValueError("; ".join(problems))
-    training_support.activate_job_stage_map(options, pp)
+    training_hooks.activate_job_stage_map(options, pp)
     model = original(model_provider, model_type, pg_collection)
     prepare_model(model, options, rank, pp)
     return model
@@ -126,7 +126,7 @@ def _install() -> None:
     for module in (train, bridge_eval):
         if not PATCHES.is_patched(module, "get_forward_backward_func"):
             PATCHES.patch(module, "get_forward_backward_func",
-                          around(module.get_forward_backward_func, training_support.forward_backward_func_hook),
+                          around(module.get_forward_backward_func, training_hooks.forward_backward_func_hook),
                           _GET_FORWARD_BACKWARD_FUNC)
     if not PATCHES.is_patched(model_provider, "_create_model"):
         PATCHES.patch(model_provider, "_create_model", around(model_provider._create_model, _create_model),
@@ -143,7 +143,7 @@ def _install() -> None:
 def disable() -> None:
     """Undo :func:`enable`'s Bridge patches and forget the job (tests, diagnosis)."""
     PATCHES.restore()
-    training_support.set_active_options(None)
+    training_hooks.set_active_options(None)
 
 
 __all__ = ["PATCHES", "disable", "enable"]

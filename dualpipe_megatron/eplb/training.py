@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..megatron.guard import check_private_symbols, check_version
 from ..megatron.hybrid import layer_pattern
-from ..megatron.training_support import active_job, register_arguments
+from ..megatron.training_hooks import active_job, register_arguments
 from ..patch_guard import PatchSet, around
 from .experts import LayerKey, find_moe_layers, install_router_hook, take_counts, take_slot_counts
 from .guard import adopt, imbalance, layer_imbalance, overall_imbalance

@@ -21,7 +21,7 @@ from .grads import (
     broadcast_mirrored_params, build_mirror_group, mark_mirror_copies_shared, tie_embeddings_locally,
 )
 from .schedule import DualPipeOptions
-from .support import configuration_problems, stage_map_for
+from .refusals import configuration_problems, stage_map_for
 from .topology import DualPipeLayout, StageMap, stage_layer_types
 from .wgrad_megatron import install_linear_deferral
 from .wgrad_te import install_delayed_wgrad_deferral

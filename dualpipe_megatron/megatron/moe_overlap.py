@@ -30,7 +30,7 @@ same plans: Megatron builds a dense layer's dispatch and combine as no-op nodes,
 its attention and MLP are compute only, and the other half's all-to-alls overlap
 them. A chunk of only dense layers runs its plans too: its F paired with an MoE
 chunk's B still hides that B's all-to-alls, which F then B would expose. The one
-exception is in :func:`~.support.overlap_blockers`: the plans apply the final
+exception is in :func:`~.refusals.overlap_blockers`: the plans apply the final
 layernorm in an MoE layer's combine node only, so a model whose last decoder layer
 is dense runs F then B. The first step's announcement on global rank 0 names which
 layers of its chunks overlapped their all-to-alls and which are compute only.
@@ -56,7 +56,7 @@ from ..runtime.handlers import Forwarded
 from ..schedules import B, F, FB, Key, Op
 from .predicates import running_chunk
 from .stages import MegatronHandlers
-from .support import overlap_blockers
+from .refusals import overlap_blockers
 
 _said: set[str] = set()  # messages printed once per process
 _HOW = {True: "MoE (EP all-to-all overlapped)", False: "dense (compute only)"}

@@ -46,7 +46,7 @@ from .mtp import recording_mtp_metrics, replay_mtp_metrics
 from .predicates import stage_map_active
 from .relay import relay
 from .stages import MegatronHandlers, MegatronStep, MicrobatchData
-from .support import (
+from .refusals import (
     SCHEDULES, UNBUILT, chunk_role_problems, delayed_wgrad_problems, stage_map_for, step_problems,
 )
 from .topology import StageMap

@@ -2,8 +2,8 @@
 
 ``patches/megatron-core-0.19.2-schedule-extension-point.patch`` adds
 ``megatron.training.schedule_plugins`` to megatron-core: the training loop calls a registered
-plugin's hooks where :func:`training_support.install` would otherwise replace Megatron
-functions. :class:`DualPipeSchedulePlugin` implements those hooks with ``training_support``'s
+plugin's hooks where :func:`training_hooks.install` would otherwise replace Megatron
+functions. :class:`DualPipeSchedulePlugin` implements those hooks with ``training_hooks``'s
 own logic, so both routes build, schedule and check exactly the same way. To pick the route
 this megatron allows, call :func:`dualpipe_megatron.routes.install_for_megatron` (it also
 registers EPLB's flags, which this module must not import).
@@ -24,7 +24,7 @@ from typing import Any, Callable
 from .guard import check_version
 from .model import prepare_model
 from .schedule import make_forward_backward_func
-from .training_support import (
+from .training_hooks import (
     active_options, add_arguments, check_checkpoint_schedule, chunk_pre_post_process, job_embedding_ranks,
     pipeline_position, post_validate, pre_validate,
 )
@@ -84,7 +84,7 @@ def register() -> DualPipeSchedulePlugin:
     if not has_extension_point():
         raise RuntimeError(
             f"{EXTENSION_POINT} not found: apply patches/megatron-core-0.19.2-schedule-extension-"
-            f"point.patch to megatron-core, or use training_support.install() (runtime patches)")
+            f"point.patch to megatron-core, or use training_hooks.install() (runtime patches)")
     importlib.import_module(EXTENSION_POINT).register_schedule_plugin(PLUGIN)
     return PLUGIN
 

@@ -9,7 +9,7 @@ while the runtime's :class:`WeightGradStore` is enabled (a ``B`` with ``w:false`
 hook, which Megatron fires after ``backward_dw`` in this mode, moves with it.
 
 Two conditions keep this exact, both checked by
-:func:`dualpipe_megatron.megatron.support.delayed_wgrad_problems`:
+:func:`dualpipe_megatron.megatron.refusals.delayed_wgrad_problems`:
 
 - every backward must go through a plan (our MoE F&B overlap on), since a plain autograd
   backward of a TE layer would leave its weight GEMM queued with nobody to pop it;

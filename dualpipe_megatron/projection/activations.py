@@ -51,7 +51,7 @@ class Term:
 @dataclass(frozen=True)
 class Options:
     """What decides the saved bytes beside the model's shape: implementation, precision,
-    recompute and parallelism (from Megatron's flags, :func:`..launch_memory.activation_options`)."""
+    recompute and parallelism (from Megatron's flags, :func:`...plan.memory.activation_options`)."""
 
     impl: str = "transformer_engine"
     act_bytes: int = 2  # bf16/fp16; 4 for fp32

@@ -1,6 +1,6 @@
 """Op costs from a GPU profile: ``projection calibrate`` reads what a real run measured.
 
-The trace is read by :func:`..trace.profile.read_profiles` (kernels linked to the
+The trace is read by :func:`..trace.kineto.read_profiles` (kernels linked to the
 range that launched them); this module only turns its phases into an op-cost file
 (:class:`~.measure.OpCosts`, per layer: the shape written has ``layers = 1``):
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..schedules.model_shape import ModelShape
-from ..trace.profile import PairTime, PhaseTime, RankProfile, read_events
+from ..trace.kineto import PairTime, PhaseTime, RankProfile, read_events
 from .count import count_chunk
 from .measure import OpCosts
 from .shapes import ProjectionError

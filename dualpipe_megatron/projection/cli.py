@@ -18,7 +18,7 @@ from ..schedules.cli import CliParser, positive_int, run_command
 from ..schedules.ir import ScheduleError
 from ..schedules.model_shape import ModelShape
 from ..schedules.simulate import StageCosts
-from ..trace.profile import read_profiles
+from ..trace.kineto import read_profiles
 from ..trace.records import TraceError
 from .calibrate import calibrate
 from .comm import Network

@@ -22,7 +22,7 @@ from ..schedules.lower import describe
 from .handlers import StageHandlers
 from .p2p import P2P
 from .plan import ACT, GRAD, Message, MessagePlan
-from .profiling import op_range
+from .profiler_ranges import op_range
 from .wgrad import DeferredWeightGrads, deferring
 
 Half = F | B | W

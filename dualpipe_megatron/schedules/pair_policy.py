@@ -9,6 +9,7 @@ Which ranks and combinations gain depends on the placement and the costs, so it 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 from .ir import Op
@@ -28,6 +29,15 @@ def policies(model: OrderModel, r: int) -> list[frozenset[tuple[Stage, Stage]]]:
     return [frozenset()] + [frozenset([c]) for c in combos] + [frozenset(combos)]
 
 
+def _score(model: OrderModel, caps: list[int], rule: Rule, before: list[frozenset[tuple[Stage, Stage]]],
+           after: list[frozenset[tuple[Stage, Stage]]], bound: float,
+           mine: frozenset[tuple[Stage, Stage]]) -> tuple[float, float]:
+    """The score of the list schedule by ``rule`` with one rank's policy ``mine`` between the
+    others' (``before`` and ``after`` it), bounded by ``bound``; (INF, INF) if none."""
+    trial = list_schedule(model, caps, rule, None, bound, before + [mine] + after)
+    return trial[0] if trial is not None else (INF, INF)
+
+
 def search_policy(model: OrderModel, caps: list[int], rule: Rule, run: Run,
                   sweeps: int = SWEEPS) -> Optional[tuple[tuple[float, float], list[list[Op]], PairPolicy]]:
     """The shortest list schedule by ``rule`` found over per-rank policies, with its score and
@@ -44,13 +54,7 @@ def search_policy(model: OrderModel, caps: list[int], rule: Rule, run: Run,
         kept = False
         for r in range(model.ranks):
             tries = [p for p in options[r] if p != policy[r]]
-            bound = best[0]
-
-            def score(p: frozenset, r: int = r, bound: float = bound) -> tuple[float, float]:
-                trial = list_schedule(model, caps, rule, None, bound, policy[:r] + [p] + policy[r + 1:])
-                return trial[0] if trial is not None else (INF, INF)
-
-            scored = run(score, tries)
+            scored = run(partial(_score, model, caps, rule, policy[:r], policy[r + 1:], best[0]), tries)
             i = min(range(len(tries)), key=lambda k: scored[k], default=None)
             if i is not None and scored[i] < best:
                 best, policy[r], kept = scored[i], tries[i], True

@@ -17,9 +17,9 @@ from ..schedules.ir import ScheduleError
 from .analysis import analyze, analyze_pipeline, stage_cost_fit
 from .chrome import write_chrome_trace
 from .figure import draw_measured
-from .profile import read_profiles
-from .profile_figure import draw_profiles
-from .profile_report import format_profiles, profiles_json
+from .kineto import read_profiles
+from .kineto_figure import draw_profiles
+from .kineto_report import format_profiles, profiles_json
 from .records import TraceError, load, pipelines
 from .report import format_report, summary
 

@@ -11,9 +11,9 @@ import torch
 from megatron.core import parallel_state
 
 from dualpipe_megatron.bridge import route, version
-from dualpipe_megatron.megatron import training_support
+from dualpipe_megatron.megatron import training_hooks
 from dualpipe_megatron.megatron.predicates import set_job_stage_map
-from dualpipe_megatron.megatron.support import stage_map_for
+from dualpipe_megatron.megatron.refusals import stage_map_for
 from dualpipe_megatron.megatron.topology import DualPipeLayout
 
 
@@ -49,14 +49,14 @@ def test_enable_sets_our_placement_and_hooks_bridge(schedule: str) -> None:
     cfg = _config()
     before = {(module.__name__, name): getattr(module, name) for module, name in _bindings()}
     options = route.enable(cfg, schedule)
-    assert options.schedule == schedule and training_support.active_options() is options
+    assert options.schedule == schedule and training_hooks.active_options() is options
     assert cfg.model.virtual_pipeline_model_parallel_size == 2
     assert isinstance(cfg.model.pipeline_model_parallel_layout, DualPipeLayout)
     assert cfg.model.overlap_p2p_comm is False and cfg.ddp.align_param_gather is False
     assert all(getattr(module, name) is not before[(module.__name__, name)] for module, name in _bindings())
     route.disable()
     assert all(getattr(module, name) is before[(module.__name__, name)] for module, name in _bindings())
-    assert training_support.active_options() is None
+    assert training_hooks.active_options() is None
 
 
 @pytest.mark.parametrize("model,options,message", [
@@ -71,7 +71,7 @@ def test_enable_refuses_what_our_schedules_cannot_run(model: dict, options: dict
     given = cfg.model.virtual_pipeline_model_parallel_size
     with pytest.raises(ValueError, match=message):
         route.enable(cfg, **({"schedule": "dualpipev"} | options))
-    assert training_support.active_options() is None and cfg.model.virtual_pipeline_model_parallel_size == given
+    assert training_hooks.active_options() is None and cfg.model.virtual_pipeline_model_parallel_size == given
 
 
 def test_another_bridge_release_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpipe_megatron.megatron.support import stage_map_for
+from dualpipe_megatron.megatron.refusals import stage_map_for
 from launcher import LaunchFailed, marked_json
 from pretrain_runs import run
 from test_deepseek_v3_proxy import proxy_flags

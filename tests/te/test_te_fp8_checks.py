@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dualpipe_megatron.megatron import support, training_support
+from dualpipe_megatron.megatron import refusals, training_hooks
 from pretrain_runs import CPU, MODEL
 
 BASE = [*MODEL, *CPU, "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
@@ -41,9 +41,9 @@ REFUSED = {
 
 @pytest.fixture(scope="module", autouse=True)
 def hooks() -> Iterator[None]:
-    training_support.install()
+    training_hooks.install()
     yield
-    training_support.uninstall()
+    training_hooks.uninstall()
 
 
 def _verdict(extra: list[str], schedule: str | None) -> tuple[str | None, object]:
@@ -63,7 +63,7 @@ def _verdict(extra: list[str], schedule: str | None) -> tuple[str | None, object
 
 
 def test_transformer_engine_is_found() -> None:
-    assert support._have_transformer_engine()
+    assert refusals._have_transformer_engine()
 
 
 def _flag(extra: list[str], flag: str) -> str | None:
@@ -74,7 +74,7 @@ def _flag(extra: list[str], flag: str) -> str | None:
 def test_fp8_settings_are_accepted_as_megatron_accepts_them(name: str) -> None:
     extra = ACCEPTED[name]
     assert _verdict(extra, None)[0] is None
-    for schedule in support.SCHEDULES:
+    for schedule in refusals.SCHEDULES:
         refused, config = _verdict(extra, schedule)
         assert refused is None, (schedule, refused)
         assert (config.fp8, config.fp4, config.virtual_pipeline_model_parallel_size) == (
@@ -86,5 +86,5 @@ def test_what_megatron_refuses_is_refused_alike(name: str) -> None:
     extra, message = REFUSED[name]
     megatron, _ = _verdict(extra, None)
     assert megatron is not None and message in megatron, megatron
-    for schedule in support.SCHEDULES:
+    for schedule in refusals.SCHEDULES:
         assert _verdict(extra, schedule)[0] == megatron, schedule

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..runtime.profiling import NAME as DUALPIPE_NAME
-from .profile_intervals import Span, intersect, length, subtract, union
+from ..runtime.profiler_ranges import NAME as DUALPIPE_NAME
+from .intervals import Span, intersect, length, subtract, union
 from .records import TraceError
 
 # Communication kernels, by name: NCCL, DeepEP (DeepSeek's trace spells it dpsk::ep), NVSHMEM,

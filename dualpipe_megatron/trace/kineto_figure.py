@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from ..schedules.draw import BASE_COLOURS, FORMATS
-from .profile import PhaseTime, RankProfile, exposed_spans
+from .kineto import PhaseTime, RankProfile, exposed_spans
 from .records import TraceError
 
 COLOURS = {"F": BASE_COLOURS["F"], "B": BASE_COLOURS["B"], "W": BASE_COLOURS["W"], "FB": "#9b6fc4",

@@ -1,6 +1,6 @@
 """Per-rank parameters and memory of a parsed Megatron job under DualPipe(V), without a model.
 
-The launch plan (:mod:`.launch_plan`) needs what each pipeline rank will hold before anything
+The launch plan (:mod:`.job`) needs what each pipeline rank will hold before anything
 is built on a cluster. Parameters are counted from the arguments, stage by stage in our
 placement (a rank holds two stages: DualPipeV's r and 2P-1-r, DualPipe's r of one copy and
 P-1-r of the other). Weights, gradients and optimizer state use Megatron's own rule (its
@@ -19,13 +19,13 @@ from dataclasses import dataclass, replace
 
 from megatron.core.transformer.enums import LayerType
 
-from .megatron.auto_layout import model_shape
-from .projection import activations
-from .projection.activations import ChunkBytes
-from .projection.placement import Realistic
-from .projection.shapes import check_stage, dense_layers, stage_shape
-from .schedules.ir import FB, B, F, Op, Schedule, W, halves
-from .schedules.model_shape import ModelShape
+from ..megatron.auto_layout import model_shape
+from ..projection import activations
+from ..projection.activations import ChunkBytes
+from ..projection.placement import Realistic
+from ..projection.shapes import check_stage, dense_layers, stage_shape
+from ..schedules.ir import FB, B, F, Op, Schedule, W, halves
+from ..schedules.model_shape import ModelShape
 
 GIB = 2**30
 

@@ -1,10 +1,10 @@
-"""Text and JSON reports of profiled ranks (``trace profile``), from :mod:`.profile`'s measurements."""
+"""Text and JSON reports of profiled ranks (``trace profile``), from :mod:`.kineto`'s measurements."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .profile import OUTSIDE, PairTime, PhaseTime, RankProfile
+from .kineto import OUTSIDE, PairTime, PhaseTime, RankProfile
 
 FORMAT = "dualpipe-megatron-profile/1"
 PASSES = ("F", "B", "W", "FB")

@@ -61,7 +61,7 @@ from .predicates import install_predicates, set_job_stage_map
 from .job import DualPipeJob
 from .schedule import DualPipeOptions, check_activation_budget, file_order, make_forward_backward_func
 from .hybrid import layer_pattern, stage_segments
-from .support import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, job_layers, stage_map_for
+from .refusals import MEGATRON_SCHEDULES, SCHEDULES, argument_problems, job_layers, stage_map_for
 
 CHOICES = MEGATRON_SCHEDULES + SCHEDULES
 

@@ -1,4 +1,4 @@
-"""``launch_plan --compare``: every schedule that can run the user's job, side by side.
+"""``python -m dualpipe_megatron.plan --compare``: every schedule that can run the user's job, side by side.
 
 For the parsed and checked command line: Megatron's 1F1B, its interleaved 1F1B with and without
 the all-to-all overlap at each virtual size 2-4 the layers allow (and with the layout search's
@@ -8,7 +8,7 @@ budgets of 3/4 and 1/2 of DeepSeek's order's peak.
 Each row is the projection's (:func:`~.projection.project.project`, realistic placement of this
 model, its built-in costs or ``--op-costs``) with the memory of the launch plan: weights,
 gradients and optimizer state of the row's own stages per rank plus the saved activations of its
-op order (:mod:`.launch_memory`), under the job's recompute and precision flags.
+op order (:mod:`.memory`), under the job's recompute and precision flags.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .launch_memory import GIB, overlapped_pairs, rank_memory
-from .projection.project import Projection, Variant, project, variants
-from .schedules.ir import ScheduleError
+from .memory import GIB, overlapped_pairs, rank_memory
+from ..projection.project import Projection, Variant, project, variants
+from ..schedules.ir import ScheduleError
 
 BUDGETS = (Fraction(3, 4), Fraction(1, 2))
 
