@@ -5,6 +5,7 @@ A module missing from the map is invisible to a new reader; one named but gone m
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -55,3 +56,52 @@ def test_the_code_map_names_no_missing_module() -> None:
             if not (folder / name).exists():
                 gone.append(f"{key}: {name}")
     assert not gone, f"the code map names modules that do not exist: {gone}"
+
+
+STATE_HEADING = "## Module-level state"
+MUTATING = ("append", "extend", "add", "update", "pop", "clear", "setdefault", "remove", "insert", "discard")
+CONTAINERS = ("dict", "list", "set", "defaultdict", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary")
+
+
+def _is_container(value: ast.expr | None) -> bool:
+    return isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) or (
+        isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in CONTAINERS)
+
+
+def _mutated(tree: ast.Module, name: str) -> bool:
+    """Whether the module changes ``name``'s container (item assignment, a mutating method, ``global``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global) and name in node.names:
+            return True
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            if any(isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == name
+                   for t in targets):
+                return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATING
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == name):
+            return True
+    return False
+
+
+def module_state() -> set[tuple[str, str]]:
+    """(module path, name) of every module-level container its module mutates."""
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and _is_container(node.value):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found |= {(path.relative_to(ROOT).as_posix(), t.id) for t in targets
+                          if isinstance(t, ast.Name) and _mutated(tree, t.id)}
+    return found
+
+
+def test_module_level_state_is_listed_and_does_not_grow() -> None:
+    text = (ROOT / "docs" / "README.md").read_text()
+    assert STATE_HEADING in text, "docs/README.md lost its list of module-level state"
+    listed = set(re.findall(r"^\| `(dualpipe_megatron/[^`]+)` \| `(\w+)` \|", text.split(STATE_HEADING, 1)[1], re.M))
+    found = module_state()
+    assert found - listed == set(), "module-level state missing from docs/README.md"
+    assert listed - found == set(), "docs/README.md lists module-level state that is gone"
+    assert len(found) <= 13, "more module-level state than the 13 entries this list started with"
