@@ -9,8 +9,8 @@ of blocking the suite. Routes, by what the ranks run:
 
 - :func:`spawn`: a function, in ``torch.multiprocessing`` spawned processes (no Megatron); each
   rank's return value comes back.
-- :func:`run_script`: ``python WORKER OUT_JSON *args`` per rank; rank 0's JSON verdicts (one per
-  check, :func:`assert_verdict`) come back.
+- :func:`run_script`: ``python WORKER OUT_JSON *args`` per rank; rank 0's JSON records (one per
+  check: its measured values, which the test compares) come back.
 - :func:`torchrun`: a command under torchrun, as a user starts it; its log comes back
   (:func:`marked_json` reads the JSON lines a rank printed).
 - :func:`fork_pretrain`: ``scripts/pretrain_gpt.py`` through ``fork_launch.py``'s server, which
@@ -48,17 +48,11 @@ TAIL = 8000  # characters of each log a failure report quotes
 PR_SET_PDEATHSIG = 1
 IMPORT_TIMEOUT = 300  # the fork server's one import of torch and Megatron, on a loaded machine
 
-Verdicts = dict[str, dict[str, object]]
+Records = dict[str, dict[str, object]]  # {check: {value name: JSON value}}
 
 
 class LaunchFailed(RuntimeError):
     """A launch whose ranks did not all finish cleanly; the message quotes what they said."""
-
-
-def assert_verdict(verdicts: Verdicts, key: str) -> None:
-    """One worker check passed (its detail is the failure message)."""
-    assert key in verdicts, f"{key} missing; have {sorted(verdicts)}"
-    assert verdicts[key]["ok"], verdicts[key]["detail"]
 
 
 def free_port() -> int:
@@ -220,7 +214,7 @@ def spawn(world: int, fn: Callable, *args: Any, timeout: float = 150.0,
 # -- run_script: a worker script per rank --------------------------------------------------------
 
 
-def run_script(worker: Path, world: int, out_dir: Path, timeout: float, *args: str) -> Verdicts:
+def run_script(worker: Path, world: int, out_dir: Path, timeout: float, *args: str) -> Records:
     """Run ``python WORKER OUT_JSON *args`` on ``world`` ranks; return OUT_JSON's content."""
     from dualpipe_megatron.megatron.cpu_compat import DISABLE_ENV
 

@@ -20,19 +20,11 @@ import torch.distributed as dist
 
 from dualpipe_megatron.megatron.cpu_compat import install_cpu_compat
 from dualpipe_megatron.megatron.model import global_param_name
-from megatron_workers import _batches, _config, _forward_step, _max_diff, publish
+from megatron_workers import Records, _batches, _config, _forward_step, _max_diff, _per_rank, publish
 
 VOCAB, SEQ, HIDDEN = 64, 8, 16
 TOLERANCE = 1e-6  # relative to the largest reference value, per tensor
 Result = tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]  # losses, grads by global name
-Records = dict[str, dict[str, object]]  # {check: {value name: JSON value}}
-
-
-def _per_rank(value: object) -> list:
-    """Every rank's ``value``, in rank order (collective: all ranks call it)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def _parallel(pp: int, vpp: int | None, tied_local: bool) -> None:
