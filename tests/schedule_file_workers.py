@@ -20,3 +20,8 @@ def first_step_plan(rank: int, world: int, paths: list[str], microbatches: int) 
     except PlanMismatchError as exc:
         return {"error": str(exc), "ops": None}
     return {"error": None, "ops": [str(op) for op in sched.ops[rank]]}
+
+
+def plans_from_files(rank: int, world: int, cases: dict[str, list[str]], microbatches: int) -> dict[str, Any]:
+    """:func:`first_step_plan` for each case (a job of its own: a fresh ``DualPipeOptions``), in one launch."""
+    return {name: first_step_plan(rank, world, paths, microbatches) for name, paths in cases.items()}

@@ -8,9 +8,9 @@ step's first message. Training from a budgeted file at P=4 against 1F1B: test_me
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,20 +21,20 @@ from launcher import spawn
 from dualpipe_megatron.megatron import training_hooks
 from dualpipe_megatron.megatron.schedule import DualPipeOptions, training_order
 from dualpipe_megatron.schedules import build_schedule
+from dualpipe_megatron.schedules import cli as schedules_cli
 from dualpipe_megatron.schedules.optimize import optimize_order
 from dualpipe_megatron.schedules.simulate import Costs
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _dump(tmp_path: Path, name: str, *argv: str) -> Path:
     """What ``dualpipe-schedules dump ARGV`` prints, in a file."""
-    out = subprocess.run([sys.executable, "-m", "dualpipe_megatron.schedules", "dump", *argv], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert schedules_cli.main(["dump", *argv]) == 0
     path = tmp_path / name
-    path.write_text(out)
+    path.write_text(out.getvalue())
     return path
 
 
@@ -112,9 +112,9 @@ def test_ranks_given_different_files_fail_before_any_message(tmp_path: Path) -> 
     shape = ["--schedule", "dualpipev", "--ranks", "2", "--microbatches", "8", "--no-programs"]
     paths = [str(_dump(tmp_path, "deepseek.json", *shape)), str(_dump(tmp_path, "optimized.json", *shape,
                                                                           "--optimize"))]
-    results = spawn(2, workers.first_step_plan, paths, 8, timeout=120)
+    results = spawn(2, workers.plans_from_files, {"different": paths, "same": [paths[1], paths[1]]}, 8,
+                    timeout=120)
     for rank, result in enumerate(results):
-        assert result["ops"] is None, f"rank {rank} planned a step from mismatched files"
-        assert "ranks [1] differ from rank 0" in result["error"], result["error"]
-    same = spawn(2, workers.first_step_plan, [paths[1], paths[1]], 8, timeout=120)
-    assert [r["error"] for r in same] == [None, None]
+        assert result["different"]["ops"] is None, f"rank {rank} planned a step from mismatched files"
+        assert "ranks [1] differ from rank 0" in result["different"]["error"], result["different"]["error"]
+        assert result["same"]["error"] is None, result["same"]["error"]
