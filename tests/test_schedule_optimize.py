@@ -14,12 +14,15 @@ from dualpipe_megatron.schedules import optimize
 from dualpipe_megatron.schedules.cli import main
 from dualpipe_megatron.schedules.ir import ScheduleError
 from dualpipe_megatron.schedules.ir import B, FB, W
-from dualpipe_megatron.schedules.list_scheduler import BUDGET_RULES, RULES, Reference, Rule, list_schedule
+from dualpipe_megatron.schedules.list_scheduler import (B_FIRST, BUDGET_RULES, RULES, Priority, Reference, Rule,
+                                                        list_schedule, windowed)
 from dualpipe_megatron.schedules.optimize import SEARCH_WORK, _split_weight_grads, min_activations, optimize_order
 from dualpipe_megatron.schedules.order_model import OrderModel, order_score
 from dualpipe_megatron.schedules.pair_policy import policies, search_policy
 from dualpipe_megatron.schedules.events import peak, peak_live_activations
 from dualpipe_megatron.schedules.simulate import StageCost, StageCosts
+
+pytestmark = pytest.mark.slow
 
 SETTINGS = ("a", "b", "c")
 
@@ -206,8 +209,8 @@ def test_an_in_flight_window_ends_the_warm_up_flood() -> None:
         timed = model.time(lists)
         assert timed is not None and max(peak(ops) for ops in lists) <= budget
         assert score == order_score(timed)  # the list scheduler's own timing is the events core's
-        windowed = rule.inflight > 0
-        best[windowed] = min(best.get(windowed, float("inf")), timed.makespan)
+        in_flight = rule.admission.inflight > 0
+        best[in_flight] = min(best.get(in_flight, float("inf")), timed.makespan)
     assert best[True] <= 0.95 * best[False]
 
 
@@ -218,9 +221,9 @@ def _windowed_unpaired_with(name: str, ranks: int, microbatches: int, cap: int, 
     sched = build_schedule(name, ranks, microbatches)
     model = OrderModel(sched, stage_costs(sched, "b"))
     caps = [cap] * sched.ranks
-    rule = Rule(pair=False, spare=True, inflight=7, **flag)
+    rule = Rule(Priority(pair=False, **flag), windowed(7))
     assert rule in BUDGET_RULES
-    plain = list_schedule(model, caps, Rule(pair=False, spare=True, inflight=7))
+    plain = list_schedule(model, caps, Rule(B_FIRST, windowed(7)))
     other = list_schedule(model, caps, rule)
     assert plain is not None and other is not None
     for order in (plain[1], other[1]):
@@ -259,7 +262,7 @@ def test_a_pairing_policy_pairs_only_the_stages_it_lists() -> None:
     the step from 117.8 to 112.8); an empty policy leaves the rule's order."""
     sched = build_schedule("dualpipev", 4, 16)
     model = OrderModel(sched, stage_costs(sched, "c"))
-    caps, rule = [7] * sched.ranks, Rule(pair=False, spare=True, inflight=7)
+    caps, rule = [7] * sched.ranks, Rule(B_FIRST, windowed(7))
     plain = list_schedule(model, caps, rule)
     assert list_schedule(model, caps, rule, policy=[frozenset()] * sched.ranks) == plain
     only = [frozenset()] * 3 + [frozenset({((0, 4), (0, 3))})]
@@ -279,7 +282,7 @@ def test_the_pairing_policy_search_beats_every_rule() -> None:
     model = OrderModel(sched, stage_costs(sched, "c"))
     caps = [7] * sched.ranks
     built = [(got[0], rule) for rule in RULES + BUDGET_RULES if (got := list_schedule(model, caps, rule))]
-    base = min((x for x in built if not x[1].pair), key=lambda x: x[0])[1]
+    base = min((x for x in built if not x[1].priority.pair), key=lambda x: x[0])[1]
     score, order, policy = search_policy(model, caps, base, optimize.SerialWorkers().map)
     lists = [[model.enc(op) for op in ops] for ops in order]
     timed = model.time(lists)
@@ -339,7 +342,8 @@ def test_the_halving_gives_the_best_start_the_rest_of_its_work(monkeypatch) -> N
     """optimize._search spends _halving_work in all (rounds of budget/4, budget/2, budget per
     start: 4 x budget for six starts, by hand), each round's starts half those shares, and the
     last start left what remains: 2.5 x budget for six (DualPipeV P=4 M=8 at K, six list
-    schedules and no seed, as when the input is above the budget)."""
+    schedules, of the rules and following DeepSeek's order, and no seed, as when the input is
+    above the budget)."""
     sched = build_schedule("dualpipev", 4, 8)
     model = OrderModel(sched, stage_costs(sched, "b"))
     caps = [-(-3 * deepseek_peak(sched) // 4)] * sched.ranks
@@ -353,7 +357,8 @@ def test_the_halving_gives_the_best_start_the_rest_of_its_work(monkeypatch) -> N
     monkeypatch.setattr(optimize, "local_search", recorded)
     budget = 8000
     assert optimize._halving_work(6, budget) == 4 * budget
-    optimize._search(model, caps, [], budget, optimize.SerialWorkers(), RULES + BUDGET_RULES)
+    follow = (sched.ops, _split_weight_grads(sched.ops))
+    optimize._search(model, caps, [], budget, optimize.SerialWorkers(), RULES + BUDGET_RULES, follow)
     assert works == [budget // 8] * 6 + [budget // 4] * 3 + [5 * budget // 2]
 
 

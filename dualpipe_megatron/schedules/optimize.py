@@ -12,12 +12,11 @@ be no longer than the input, with no rank's peak live activations above that ran
 the input. With an activation budget K (``max_activations``) every rank's cap is K instead,
 and the result is the fastest order found within it, slower than the input if the input does
 not fit; the list scheduler then also tries admission rules that cannot stall for memory (a
-micro-batch enters a rank only with room for all its stages there, or with a banker's margin
-for the oldest micro-batch; DualPipe's directions each get a share of the cap; each stage a
-window by how long its activations live; a micro-batch enters only while few enough of its
-direction are in flight), orders that follow the input's op ranks and pairs under the cap,
-and, where F&B pairs save time, the best unpaired rule's list schedule with per-rank pairing
-policies (:mod:`.pair_policy`). The one-micro-batch-at-a-time order, which meets the minimum
+micro-batch enters a rank only with room for all its stages there; or one enters only while
+few enough of its direction are in flight, with a banker's margin for the oldest micro-batch),
+orders that follow the input's op ranks and pairs under the cap, and, where F&B pairs save
+time, the best unpaired rule's list schedule with per-rank pairing policies
+(:mod:`.pair_policy`). The one-micro-batch-at-a-time order, which meets the minimum
 (:func:`min_activations`), is the fallback start. The search is bounded by work, not time, and
 deterministic; it times schedules with floats, re-timing only what follows a move
 (:func:`~.events.timing`'s ``since``), and only the final check is exact. Its pieces (each list schedule, each search,
@@ -35,7 +34,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from .events import peak_live_activations
 from .ir import B, F, FB, Key, Op, Schedule, ScheduleError, W
-from .list_scheduler import BUDGET_RULES, RULES, Reference, Rule, list_schedule
+from .list_scheduler import BUDGET_RULES, RULES, Admission, Reference, Rule, list_schedule
 from .local_search import local_search
 from .order_model import INF, OrderModel, Packed, order_score
 from .pair_policy import search_policy
@@ -181,9 +180,9 @@ def _search(model: OrderModel, caps: list[int], seeds: list[list[list[Op]]], bud
     first builds one list schedule unbounded, and the sixth best of those bounds the rest. With
     ``policy``, the best list schedule of an unpaired rule also gets per-rank pairing policies
     (:func:`~.pair_policy.search_policy`), and what that finds is one more list schedule."""
-    admits = {}  # following an order uses a rule's admission test only: one rule per distinct test
+    admits: dict[Admission, Rule] = {}  # following an order uses a rule's admission only: one rule per admission
     for rule in rules:
-        admits.setdefault((rule.reserve, rule.spare, rule.split, rule.windows, rule.inflight), rule)
+        admits.setdefault(rule.admission, rule)
     candidates = [(rule, None) for rule in rules] + [(rule, j) for j in range(len(follow)) for rule in admits.values()]
     # the last candidates (following an order, windowed entry) are most often the shortest: tried
     # first, they set the bound early
@@ -200,7 +199,7 @@ def _search(model: OrderModel, caps: list[int], seeds: list[list[list[Op]]], bud
     bound = best[-1][0][0] if len(best) == _BUILT_SEEDS else INF
     if rest:
         built += build([rest[w::workers.count] for w in range(workers.count)], bound)
-    unpaired = [entry for entry in built if entry[1] < len(rules) and not rules[entry[1]].pair]
+    unpaired = [entry for entry in built if entry[1] < len(rules) and not rules[entry[1]].priority.pair]
     if policy and unpaired:
         got = search_policy(model, caps, rules[min(unpaired, key=lambda x: x[:2])[1]], workers.map)
         if got is not None and not any(got[1] == order for order in seeds):
@@ -270,11 +269,10 @@ def optimize_order(sched: Schedule, costs: AnyCosts, max_activations: Optional[i
     found = _search(model, own, [sched.ops, split_ops], budget, workers) if fits else []
     caps = own if max_activations is None else [max_activations] * sched.ranks
     if caps != own:  # the budget's own search, from the input if it fits, else from the leanest order
-        rules = RULES + tuple(r for r in BUDGET_RULES if not r.split or sched.directions > 1)
         follow = (sched.ops, split_ops)
         # an input above the budget skips the search under its own peaks: this one gets its work too
         found += _search(model, caps, [sched.ops, split_ops] if fits else [], budget if fits else 2 * budget,
-                         workers, rules, follow, policy=any(model.saving_pairs))
+                         workers, RULES + BUDGET_RULES, follow, policy=any(model.saving_pairs))
         if not found:
             found = _search(model, caps, [_sequential(model)], budget, workers)
     # the exact check, shortest first, of those shorter than the input when it fits (the first
