@@ -2,8 +2,9 @@
 
 With TE importable, megatron-core takes its ``HAVE_TE`` branches (its TE extensions, TE's RNG and
 FP8 state, the TE layer specs), so every patch set installs here again through the guard, which
-checks each patched symbol's signature, and the records must still equal docs/training.md's tables
-(tests/test_guard.py's script and checks, run in a process that imported TE). TE itself we never
+checks each patched symbol's signature, and the records must still be docs/training.md's tables
+(scripts/route_patches.py's record, taken in a process that imported TE): every row verbatim but
+CPU compat's, which gains the ``te_fallbacks`` group (docs/megatron_cpu.md). TE itself we never
 patch: we rely on its four linears' ``delay_wgrad_compute=`` and ``backward_dw``/``wgrad_store``,
 which Megatron's TE wrappers call, and on the version requirements-te.txt pins.
 """
@@ -21,13 +22,18 @@ from dualpipe_megatron.patch_guard import check_signature
 from launcher import fork_pretrain, job_env, marked_json
 from te_helpers import cuda_reported_available, te_linear_classes
 from test_guard import (
-    ROUTE_RECORDS,
-    test_each_route_installs_what_the_docs_list as check_routes,
-    test_the_docs_list_each_patch_sets_symbols_as_the_guard_records_them as check_sets,
+    TRAINING_MD,
+    route_patches,
+    test_each_route_installs_the_same_sets_and_a_job_adds_the_rest as check_routes,
     test_uninstalling_the_routes_leaves_no_patch as check_uninstall,
 )
 
-REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements-te.txt"
+ROOT = Path(__file__).resolve().parents[2]
+REQUIREMENTS = ROOT / "requirements-te.txt"
+ROUTE_RECORDS = f"""
+import json, runpy
+print("ROUTE_RECORDS " + json.dumps(runpy.run_path({str(ROOT / "scripts" / "route_patches.py")!r})["record"]()))
+"""
 # Before the records: TE is what this process imported, and the private Megatron calls still fit.
 TE_FIRST = """
 import transformer_engine.pytorch
@@ -58,9 +64,12 @@ def route_records(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_the_guard_records_what_the_docs_list(route_records: dict) -> None:
-    check_sets(route_records)
     check_routes(route_records)
     check_uninstall(route_records)
+    docs = TRAINING_MD.read_text()
+    rows = route_patches.tables(route_records).splitlines()
+    assert [row for row in rows if row not in docs and not row.startswith("| `CPU compat` |")] == []
+    assert "megatron.core.transformer.transformer_block.LayerNormImpl" in route_records["launcher"]["CPU compat"]
 
 
 def test_te_is_the_pinned_version() -> None:
