@@ -125,7 +125,7 @@ def estimated(case: Case) -> list[float]:
 def estimate_for(argv: list[str], world: int) -> list[float]:
     """The launch plan's per-rank activation peaks for a job's arguments."""
     from dualpipe_megatron.plan.memory import activation_peaks, overlapped_pairs, stage_activations
-    from dualpipe_megatron.plan import check, job_schedule, parse
+    from dualpipe_megatron.plan.job import check, job_schedule, parse
     from dualpipe_megatron.megatron.auto_layout import microbatches
 
     checked = check(parse(argv, world))

@@ -31,7 +31,8 @@ from importlib.metadata import version
 from pathlib import Path
 from statistics import mean, median
 
-from dualpipe_megatron.demo import CPU, DATA, parse_iterations, run_logged
+from dualpipe_megatron.demo import DATA, parse_iterations, run_logged
+from dualpipe_megatron.megatron.cpu_compat import CPU_FLAGS
 
 BENCH = Path(__file__).resolve().parent
 ENTRY = BENCH / "eplb_skewed_pretrain.py"
@@ -70,7 +71,7 @@ def train(config: Config, eplb: list[str], args: argparse.Namespace, work: Path,
     """One job; per iteration its time, loss and measured load, and the EPLB moves it printed."""
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", f"--nproc-per-node={config.processes}", str(ENTRY),
-           "--router-skew", str(args.skew), *MODEL, *config.parallel, *CPU, *DATA, *TRAIN,
+           "--router-skew", str(args.skew), *MODEL, *config.parallel, *CPU_FLAGS, *DATA, *TRAIN,
            "--train-iters", str(args.iterations), "--eplb-stats-file", str(work / f"{name}.json"), *eplb]
     log_path = work / f"{name}.log"
     start = time.perf_counter()

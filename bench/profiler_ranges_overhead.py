@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dualpipe_megatron.runtime import Pipeline, executor, profiling
+from dualpipe_megatron.runtime import Pipeline, executor, profiler_ranges
 from dualpipe_megatron.schedules import F, Key, build_schedule
 from dualpipe_megatron.schedules.ir import halves
 from ports import free_port  # bench/ modules: this script's directory is on sys.path
@@ -48,7 +48,7 @@ def per_call_ns(body: Callable[[], None], calls: int) -> float:
 def helper_ns(repeats: int) -> dict[str, float]:
     """ns per op of the range helper (profiler off) and of an unconditional record_function."""
     parts = halves(build_schedule("dualpipev", 2, 8).ops[0][7])  # an F&B pair
-    op_range, record_function, name = profiling.op_range, profiling.record_function, profiling.range_name
+    op_range, record_function, name = profiler_ranges.op_range, profiler_ranges.record_function, profiler_ranges.range_name
 
     def bare() -> None:
         pass
@@ -87,8 +87,8 @@ def step_times(repeats: int, microbatches: int) -> dict[str, float]:
         pipe.zero_grad()
         return time.perf_counter() - start
 
-    shipped, unchecked = executor.op_range, lambda parts: profiling._OFF
-    assert shipped((F(Key(0, 0, 0)),)) is profiling._OFF, "a profiler is on"
+    shipped, unchecked = executor.op_range, lambda parts: profiler_ranges._OFF
+    assert shipped((F(Key(0, 0, 0)),)) is profiler_ranges._OFF, "a profiler is on"
     times: dict[str, list[float]] = {"shipped": [], "unchecked": []}
     for _ in range(3):
         step()

@@ -20,7 +20,7 @@ import runtime_workers as rw
 
 
 class CountingRecordFunction:
-    """Stands in for ``record_function`` in the profiling module, counting the ranges made."""
+    """Stands in for ``record_function`` in the profiler_ranges module, counting the ranges made."""
 
     made = 0
 
@@ -42,11 +42,11 @@ def trace_ranges(path: str, prefix: str) -> list[tuple[str, float, float]]:
 
 
 def profiled_steps(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
-    from dualpipe_megatron.runtime import Pipeline, profiling
+    from dualpipe_megatron.runtime import Pipeline, profiler_ranges
     from dualpipe_megatron.schedules import build_schedule
 
-    spy = CountingRecordFunction(profiling.record_function)
-    profiling.record_function = spy
+    spy = CountingRecordFunction(profiler_ranges.record_function)
+    profiler_ranges.record_function = spy
     results: dict[str, Any] = {}
     for case in cases:
         m = case["microbatches"]
@@ -69,7 +69,7 @@ def profiled_steps(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[s
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
-            ranges = trace_ranges(path, profiling.PREFIX)
+            ranges = trace_ranges(path, profiler_ranges.PREFIX)
         results[case["id"]] = {
             "made_off": made_off, "made_on": CountingRecordFunction.made - made_off,
             "ranges": ranges, "hook_calls": rw.HookedBlock.calls,
